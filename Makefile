@@ -1,0 +1,27 @@
+# `make test` and `make decode` are the whole set-up: each creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= Write a short poem about the sea.
+ARGS ?= --chat --max-new-tokens 128
+
+.PHONY: install test decode clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 tests
+
+decode: $(STAMP)
+	@test -n "$(CHECKPOINT)" || { echo "usage: make decode CHECKPOINT=DIR [PROMPT='...'] [ARGS='--chat --max-new-tokens 128']"; exit 2; }
+	$(BIN)/python decode.py --checkpoint "$(CHECKPOINT)" --prompt "$(PROMPT)" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,63 @@
+"""Target checkpoints: load HF safetensors or our converted orbax form; convert once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from jetflow_jax import hf_params
+from jetflow_jax.config import Qwen3Config, load_config
+from jetflow_jax.errors import CheckpointError
+from jetflow_jax.model import abstract_params
+
+CONVERTED_MARKER = "jetflow_params.json"
+PARAMS_SUBDIR = "params"
+# Files copied beside converted params so the directory stays usable by `decode.py --chat`.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+              "chat_template.jinja")
+
+
+def is_converted(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, CONVERTED_MARKER))
+
+
+def load_qwen3(path: str, dtype=jnp.float32) -> tuple[Qwen3Config, dict]:
+  """Loads a Qwen3 / Qwen3-MoE checkpoint as (config, frozen params pytree).
+
+  `path` is either a HF directory (`config.json` + `model.safetensors` or
+  sharded files with `model.safetensors.index.json`) or a directory written by
+  `python -m jetflow_jax.convert`. Params are cast to `dtype`.
+  """
+  path = os.path.abspath(os.path.expanduser(path))
+  config = load_config(path)
+  abstract = abstract_params(config, dtype)
+  if is_converted(path):
+    with ocp.StandardCheckpointer() as checkpointer:
+      params = checkpointer.restore(os.path.join(path, PARAMS_SUBDIR), abstract)
+  else:
+    params = hf_params.load_tensors(path, list(hf_params.qwen3_tensors(config)), abstract, dtype)
+  return config, params
+
+
+def save_converted(hf_dir: str, out_dir: str, dtype=jnp.bfloat16) -> Qwen3Config:
+  """Converts a HF checkpoint to orbax params plus its config and tokenizer files."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(os.path.join(out_dir, PARAMS_SUBDIR)):
+    raise CheckpointError(f"{out_dir} already holds converted params; choose a new --out")
+  config, params = load_qwen3(hf_dir, dtype)
+  os.makedirs(out_dir, exist_ok=True)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(out_dir, PARAMS_SUBDIR), params)
+  for name in SIDE_FILES:
+    if os.path.isfile(os.path.join(hf_dir, name)):
+      shutil.copy(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+  # Written last: a directory without the marker is an interrupted conversion, never loaded.
+  with open(os.path.join(out_dir, CONVERTED_MARKER), "w") as f:
+    json.dump({"format": "jetflow_jax converted Qwen3 params", "dtype": jnp.dtype(dtype).name,
+               "source": os.path.abspath(hf_dir)}, f, indent=2)
+  return config

@@ -1,0 +1,27 @@
+"""Shared bits of the command-line entry points."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jetflow_jax.errors import InputError, JetflowError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_dtype(name: str):
+  if name not in DTYPES:
+    raise InputError(f"--dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+  return DTYPES[name]
+
+
+def run(main: Callable[[], None]) -> None:
+  """Runs `main`, printing library errors as one line instead of a traceback."""
+  try:
+    main()
+  except JetflowError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,207 @@
+"""Autoregressive decoding: a jitted prefill and a jitted `lax.while_loop` of decode steps.
+
+All state lives in `DecodeState`, a pytree passed in and returned, so the loop
+never talks to the host. `max_new_tokens` is a traced value and prompts are
+padded to power-of-two buckets, so neither recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.errors import InputError
+from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits
+from jetflow_jax.sampling import Greedy, Sampler
+
+MIN_BUCKET = 16
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Everything one decode step reads and writes.
+
+  `tokens_bs` holds prompt and generated tokens; row b has `lengths_b[b]`
+  committed tokens, of which all but the last have their K/V in `cache`.
+  """
+
+  tokens_bs: jax.Array
+  lengths_b: jax.Array
+  max_lengths_b: jax.Array  # stop once a row holds this many tokens
+  done_b: jax.Array
+  cache: KVCache
+  rng: jax.Array
+  num_forwards: jax.Array  # target forward passes so far (scalar)
+
+
+def bucket_length(n: int, limit: int) -> int:
+  """Smallest power of two >= n (at least MIN_BUCKET), capped at `limit`."""
+  return min(limit, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
+
+
+def _is_stop(tokens_b, stop_tokens):
+  if not stop_tokens:
+    return jnp.zeros(tokens_b.shape, bool)
+  return jnp.isin(tokens_b, jnp.asarray(stop_tokens, jnp.int32))
+
+
+def _append(state: DecodeState, new_b: jax.Array, stop_tokens) -> DecodeState:
+  """Commits one sampled token per unfinished row and updates `done`."""
+  rows = jnp.arange(new_b.shape[0])
+  live = ~state.done_b
+  tokens = state.tokens_bs.at[rows, state.lengths_b].set(
+      jnp.where(live, new_b, state.tokens_bs[rows, state.lengths_b]))
+  lengths = state.lengths_b + live.astype(jnp.int32)
+  done = (state.done_b | (live & _is_stop(new_b, stop_tokens)) | (lengths >= state.max_lengths_b)
+          | (lengths >= tokens.shape[1]))
+  return state.replace(tokens_bs=tokens, lengths_b=lengths, done_b=done)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "cache_size", "stop_tokens"))
+def prefill(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b, max_new_tokens,
+            rng, *, sampler: Sampler, cache_size: int, stop_tokens: tuple[int, ...] = ()):
+  """Runs the padded prompts through the target and samples the first new token."""
+  batch, prompt_len = prompt_bt.shape
+  dtype = target_params["embed_tokens"]["embedding"].dtype
+  cache = KVCache.zeros(config, batch, cache_size, dtype)
+  hidden_btd, cache, _ = forward(target_params, config, prompt_bt, cache=cache,
+                                 cache_index_b=jnp.zeros((batch,), jnp.int32))
+  last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
+  rng, draw = jax.random.split(rng)
+  first_b = sampler(draw, lm_logits(target_params, config, last_bd))
+  tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :prompt_len].set(prompt_bt)
+  state = DecodeState(tokens_bs=tokens, lengths_b=prompt_lengths_b,
+                      max_lengths_b=prompt_lengths_b + max_new_tokens,
+                      done_b=jnp.zeros((batch,), bool), cache=cache, rng=rng,
+                      num_forwards=jnp.ones((), jnp.int32))
+  return _append(state, first_b, stop_tokens)
+
+
+def decode_step(target_params, config: Qwen3Config, state: DecodeState, sampler: Sampler,
+                stop_tokens: tuple[int, ...] = ()) -> DecodeState:
+  """Forwards each row's last committed token and commits the next one."""
+  batch = state.lengths_b.shape[0]
+  slot_b = state.lengths_b - 1
+  last_b1 = state.tokens_bs[jnp.arange(batch), slot_b][:, None]
+  hidden_b1d, cache, _ = forward(target_params, config, last_b1, cache=state.cache,
+                                 cache_index_b=slot_b)
+  rng, draw = jax.random.split(state.rng)
+  next_b = sampler(draw, lm_logits(target_params, config, hidden_b1d[:, 0]))
+  state = state.replace(cache=cache, rng=rng, num_forwards=state.num_forwards + 1)
+  return _append(state, next_b, stop_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "stop_tokens"),
+                   donate_argnames=("state",))
+def decode(target_params, config: Qwen3Config, state: DecodeState, max_steps, *,
+           sampler: Sampler, stop_tokens: tuple[int, ...] = ()) -> DecodeState:
+  """Up to `max_steps` decode steps (traced), stopping early once every row is done."""
+
+  def cond(carry):
+    step, s = carry
+    return (step < max_steps) & ~jnp.all(s.done_b)
+
+  def body(carry):
+    step, s = carry
+    return step + 1, decode_step(target_params, config, s, sampler, stop_tokens)
+
+  return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+
+@dataclasses.dataclass
+class Generation:
+  """Generated token ids per prompt (stop token included) and how they were made."""
+
+  tokens: list[list[int]]
+  num_forwards: int
+  compile_s: float  # ahead-of-time compilation of prefill and decode
+  wall_s: float  # prefill + decoding, compilation excluded
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], cache_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads prompts to a shared bucket length; checks they fit the cache."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise InputError("every prompt needs at least one token")
+  longest = max(len(p) for p in prompts)
+  if longest >= cache_size:
+    raise InputError(f"prompt of {longest} tokens does not fit a KV cache of {cache_size} slots "
+                     "(one slot is needed for the first new token); raise --cache-size")
+  width = bucket_length(longest, cache_size)
+  padded = np.zeros((len(prompts), width), np.int32)
+  for row, prompt in enumerate(prompts):
+    padded[row, :len(prompt)] = prompt
+  return padded, np.array([len(p) for p in prompts], np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(config: Qwen3Config, dtype, prompt_shape: tuple[int, int], sampler: Sampler,
+              cache_size: int, stop_tokens: tuple[int, ...]):
+  """Ahead-of-time compiled (prefill, decode) for one shape; kept so repeated calls are free."""
+  params = abstract_params(config, dtype)
+  int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  prefill_lowered = prefill.lower(
+      params, config, jax.ShapeDtypeStruct(prompt_shape, jnp.int32),
+      jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32), int_scalar,
+      jax.eval_shape(jax.random.key, 0), sampler=sampler, cache_size=cache_size,
+      stop_tokens=stop_tokens)
+  decode_lowered = decode.lower(params, config, prefill_lowered.out_info, int_scalar,
+                                sampler=sampler, stop_tokens=stop_tokens)
+  return prefill_lowered.compile(), decode_lowered.compile()
+
+
+def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, sampler: Sampler = Greedy(), seed: int = 0,
+             cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             stream_every: int = 8) -> Generation:
+  """Decodes a batch of prompts (lists of token ids of any lengths).
+
+  `cache_size` defaults to a power of two that fits the longest prompt plus
+  `max_new_tokens`. `stop_tokens` defaults to the config's EOS ids. With
+  `on_tokens`, the host regains control every `stream_every` steps and is given
+  the tokens generated so far (for streaming); otherwise one jitted loop runs to
+  the end.
+  """
+  if max_new_tokens < 1:
+    raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+  longest = max((len(p) for p in prompts), default=0)
+  needed = longest + max_new_tokens
+  if cache_size is None:
+    cache_size = bucket_length(needed, max(config.max_position_embeddings, needed))
+  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+  prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
+  chunk = stream_every if on_tokens else max_new_tokens
+
+  start = time.perf_counter()
+  dtype = target_params["embed_tokens"]["embedding"].dtype
+  prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop)
+  compile_s = time.perf_counter() - start
+  rng = jax.random.key(seed)
+
+  def generated(state):
+    tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
+    return [tokens[b, prompt_lengths_b[b]:lengths[b]].tolist() for b in range(len(prompts))]
+
+  start = time.perf_counter()
+  state = prefill_fn(target_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng)
+  while True:
+    if on_tokens:
+      on_tokens(generated(state))
+    if bool(jnp.all(state.done_b)):
+      break
+    state = decode_fn(target_params, state, chunk)
+  tokens = generated(state)
+  return Generation(tokens=tokens, num_forwards=int(state.num_forwards), compile_s=compile_s,
+                    wall_s=time.perf_counter() - start)

@@ -1,0 +1,292 @@
+"""Functional Flax (Linen) port of Qwen3 and Qwen3-MoE.
+
+Modules hold no state: they are applied to an explicit params pytree with
+`Qwen3(config).apply({"params": params}, ...)`, and the KV cache is an explicit
+pytree passed in and returned. Param names follow the HF checkpoint names so the
+mapping in `hf_params.py` stays a table.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.attention import AttentionImpl, apply_rope, attention, causal_mask
+from jetflow_jax.config import Qwen3Config
+
+Dtype = Any
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated per-layer key/value buffers, each `[B, S, K, H]`.
+
+  Slots are plain storage: which slots a query may read is decided by the mask
+  passed to each forward, and where new keys land by `cache_index`.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  @property
+  def size(self) -> int:
+    return self.k[0].shape[1]
+
+  @classmethod
+  def zeros(cls, config: Qwen3Config, batch: int, size: int, dtype: Dtype) -> "KVCache":
+    shape = (batch, size, config.num_key_value_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+    return cls(k=zeros, v=zeros)
+
+
+def _write_rows(buffer_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
+  """Writes `new` into `buffer` at slots start[b] .. start[b] + T - 1 of each row."""
+  write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0)
+  return jax.vmap(write)(buffer_bskh, new_btkh.astype(buffer_bskh.dtype), start_b)
+
+
+class Attention(nn.Module):
+  """Qwen3 attention: q/k RMSNorm over head_dim, RoPE, grouped KV heads."""
+
+  config: Qwen3Config
+  dtype: Dtype = jnp.float32
+  impl: AttentionImpl = "xla"
+
+  def setup(self):
+    c = self.config
+    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype)
+    self.q_proj = dense((c.num_attention_heads, c.head_dim))
+    self.k_proj = dense((c.num_key_value_heads, c.head_dim))
+    self.v_proj = dense((c.num_key_value_heads, c.head_dim))
+    self.o_proj = dense(c.hidden_size, axis=(-2, -1))
+    self.q_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+    self.k_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+
+  def keys_values(self, x_btd, positions_bt):
+    k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd)), positions_bt, self.config.rope_theta)
+    return k_btkh, self.v_proj(x_btd)
+
+  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts):
+    """Attends the T new rows to the cache after writing their keys at `cache_index_b`.
+
+    `kv` is this layer's `(k_bskh, v_bskh)` buffers, or None to attend to the new rows only.
+    """
+    q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd)), positions_bt, self.config.rope_theta)
+    k_btkh, v_btkh = self.keys_values(x_btd, positions_bt)
+    if kv is not None:
+      k_btkh = _write_rows(kv[0], k_btkh, cache_index_b)
+      v_btkh = _write_rows(kv[1], v_btkh, cache_index_b)
+    out_btnh = attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype), mask_bts,
+                         impl=self.impl)
+    return self.o_proj(out_btnh), (k_btkh, v_btkh)
+
+
+class MLP(nn.Module):
+  """SwiGLU feed-forward."""
+
+  hidden_size: int
+  intermediate_size: int
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd):
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
+    gate = dense(self.intermediate_size, name="gate_proj")(x_btd)
+    up = dense(self.intermediate_size, name="up_proj")(x_btd)
+    return dense(self.hidden_size, name="down_proj")(nn.silu(gate) * up)
+
+
+class MoE(nn.Module):
+  """Softmax router, top-k experts, SwiGLU experts evaluated with grouped matmuls."""
+
+  config: Qwen3Config
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd):
+    c = self.config
+    num_experts, top_k = c.num_experts, c.num_experts_per_tok
+    d, f = c.hidden_size, c.moe_intermediate_size
+    experts = _Experts(num_experts, d, f, self.dtype, name="experts")
+    router_logits = nn.Dense(num_experts, use_bias=False, dtype=self.dtype, name="gate")(x_btd)
+
+    x_md = x_btd.reshape(-1, d)
+    probs = jax.nn.softmax(router_logits.reshape(-1, num_experts).astype(jnp.float32), axis=-1)
+    weights_mk, experts_mk = jax.lax.top_k(probs, top_k)
+    if c.norm_topk_prob:
+      weights_mk = weights_mk / weights_mk.sum(axis=-1, keepdims=True)
+    weights_mk = weights_mk.astype(self.dtype)
+
+    # Sort the (token, expert) pairs by expert so each expert sees one contiguous group.
+    order = jnp.argsort(experts_mk.reshape(-1), stable=True)
+    token_of_pair = order // top_k
+    group_sizes = jnp.bincount(experts_mk.reshape(-1), length=num_experts).astype(jnp.int32)
+    y_pair_d = experts(x_md[token_of_pair], group_sizes)
+    y_pair_d = y_pair_d * weights_mk.reshape(-1)[order][:, None]
+    y_md = jnp.zeros_like(x_md).at[token_of_pair].add(y_pair_d.astype(x_md.dtype))
+    return y_md.reshape(x_btd.shape)
+
+
+class _Experts(nn.Module):
+  num_experts: int
+  hidden_size: int
+  intermediate_size: int
+  dtype: Dtype
+
+  @nn.compact
+  def __call__(self, x_md, group_sizes_e):
+    e, d, f = self.num_experts, self.hidden_size, self.intermediate_size
+    init = nn.initializers.lecun_normal(batch_axis=(0,))
+    gate_edf = self.param("gate_proj", init, (e, d, f))
+    up_edf = self.param("up_proj", init, (e, d, f))
+    down_efd = self.param("down_proj", init, (e, f, d))
+    x_md = x_md.astype(self.dtype)
+    grouped = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(self.dtype), group_sizes_e)
+    hidden_mf = nn.silu(grouped(x_md, gate_edf)) * grouped(x_md, up_edf)
+    return grouped(hidden_mf, down_efd)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm attention block and pre-norm MLP (or MoE) block, each residual."""
+
+  config: Qwen3Config
+  layer: int
+  dtype: Dtype = jnp.float32
+  impl: AttentionImpl = "xla"
+
+  def setup(self):
+    c = self.config
+    self.input_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+    self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl)
+    self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+    if c.is_moe_layer(self.layer):
+      self.mlp = MoE(c, dtype=self.dtype)
+    else:
+      self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
+
+  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts):
+    with jax.named_scope("attention_block"):
+      attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), positions_bt, kv, cache_index_b,
+                                    mask_bts)
+      x_btd = x_btd + attn_btd
+    with jax.named_scope("mlp_block"):
+      x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+    return x_btd, kv
+
+
+class Qwen3(nn.Module):
+  """Embedding, decoder stack, final norm; `logits` applies the (tied or untied) LM head."""
+
+  config: Qwen3Config
+  dtype: Dtype = jnp.float32
+  impl: AttentionImpl = "xla"
+
+  def setup(self):
+    c = self.config
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
+    self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl)
+                   for i in range(c.num_hidden_layers)]
+    self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
+
+  def __call__(self, tokens_bt, positions_bt, cache: KVCache | None, cache_index_b, mask_bts,
+               tap_layers: Sequence[int] = ()):
+    """Returns (final normed hidden `[B, T, D]`, updated cache, taps `[B, T, len(taps), D]`).
+
+    Tap i is the raw output of decoder layer `tap_layers[i]` (HF `hidden_states[i + 1]`).
+    """
+    x_btd = self.embed_tokens(tokens_bt)
+    new_k, new_v, taps = [], [], {}
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x_btd, (k, v) = layer(x_btd, positions_bt, kv, cache_index_b, mask_bts)
+      new_k.append(k)
+      new_v.append(v)
+      if i in tap_layers:
+        taps[i] = x_btd
+    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+    taps_btld = jnp.stack([taps[i] for i in tap_layers], axis=2) if tap_layers else None
+    return self.norm(x_btd), new_cache, taps_btld
+
+  def embed(self, tokens_bt):
+    return self.embed_tokens(tokens_bt)
+
+  def logits(self, hidden_btd):
+    """float32 logits from final-normed hidden states."""
+    if self.config.tie_word_embeddings:
+      return self.embed_tokens.attend(hidden_btd).astype(jnp.float32)
+    return self.lm_head(hidden_btd).astype(jnp.float32)
+
+
+def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32):
+  """Random params of the right structure (for tests and abstract shapes)."""
+  model = Qwen3(config, dtype=dtype)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  zero = jnp.zeros((1,), jnp.int32)
+
+  def init(rng):
+    variables = model.init(rng, tokens, zero[:, None], None, zero, jnp.ones((1, 1, 1), bool))
+    if config.tie_word_embeddings:
+      return variables["params"]
+    # `init` does not trace `logits`; add the untied head explicitly.
+    head = model.init(rng, jnp.zeros((1, 1, config.hidden_size), dtype), method=Qwen3.logits)
+    return {**variables["params"], "lm_head": head["params"]["lm_head"]}
+
+  params = init(rng)
+  return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
+  """Shapes and dtypes of the params pytree, without allocating it."""
+  return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+
+
+def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
+            cache: KVCache | None = None, cache_index_b=None, mask_bts=None,
+            tap_layers: Sequence[int] = (), dtype: Dtype | None = None,
+            impl: AttentionImpl = "xla"):
+  """One target forward. Returns (hidden `[B, T, D]`, cache, taps).
+
+  Without a cache, the T rows attend to each other causally (or by `mask_bts`,
+  `[B, T, T]`). With a cache, their keys are written at slots
+  `cache_index_b[b] + t` and `mask_bts` is `[B, T, S]`, by default causal over
+  slots. RoPE positions default to the slot indices.
+  """
+  batch, length = tokens_bt.shape
+  if cache_index_b is None:
+    cache_index_b = jnp.zeros((batch,), jnp.int32)
+  slots_bt = cache_index_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+  if positions_bt is None:
+    positions_bt = slots_bt
+  if mask_bts is None:
+    mask_bts = causal_mask(slots_bt if cache is not None else slots_bt - cache_index_b[:, None],
+                           length if cache is None else cache.size)
+  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  model = Qwen3(config, dtype=dtype, impl=impl)
+  return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
+                     tuple(tap_layers))
+
+
+def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = None):
+  """The target's float32 logits for final-normed hidden states."""
+  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  return Qwen3(config, dtype=dtype).apply({"params": params}, hidden_btd, method=Qwen3.logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers"))
+def qwen3_forward(params, config: Qwen3Config, token_ids, tap_layers: Sequence[int] = ()):
+  """Full-sequence causal forward: float32 logits `[batch, seq, vocab]`.
+
+  With `tap_layers`, returns `(logits, taps)` where taps is
+  `[batch, seq, len(tap_layers), hidden]` (raw outputs of those decoder layers).
+  """
+  hidden, _, taps = forward(params, config, jnp.asarray(token_ids, jnp.int32),
+                            tap_layers=tap_layers)
+  logits = lm_logits(params, config, hidden)
+  return (logits, taps) if tap_layers else logits
