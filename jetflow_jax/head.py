@@ -1,0 +1,152 @@
+"""The causal-parallel draft head (JetFlow) and its bidirectional twin (DFlash).
+
+Context injection: the target's tapped hidden states of each committed token are
+concatenated, projected by `fc` and normed (`hidden_norm`); every head layer
+turns these fused features into context keys/values with its own
+`k_proj`/`k_norm`/`v_proj` and RoPE, stored in the head's own `KVCache`. The
+block `[anchor, MASK x (block - 1)]`, embedded with the target's embedding,
+then runs through ordinary Qwen3 decoder layers whose queries read the context
+slots plus their block (causally or not), a final RMSNorm, and the target's LM
+head. Output row k (k >= 1) is the distribution of the token at depth k.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.masks import decode_mask, training_mask
+from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
+                               write_rows)
+
+
+class DraftHead(nn.Module):
+  config: HeadConfig
+  dtype: Dtype = jnp.float32
+
+  def setup(self):
+    c = self.config
+    self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=self.dtype)
+    self.hidden_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+    self.layers = [DecoderLayer(c.layer_config(), i, dtype=self.dtype)
+                   for i in range(c.num_layers)]
+    self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
+
+  def context_kv(self, taps_btld, positions_bt):
+    """Per-layer context (k, v) from target taps `[B, T, n_taps, D]`."""
+    batch, length = taps_btld.shape[:2]
+    features_btd = self.hidden_norm(self.fc(taps_btld.reshape(batch, length, -1)))
+    return [layer.self_attn.keys_values(features_btd, positions_bt) for layer in self.layers]
+
+  def __call__(self, x_btd, positions_bt, cache: KVCache, cache_index_b, mask_bts):
+    """Block rows through the layers, reading `cache` (context) under `mask_bts`."""
+    for i, layer in enumerate(self.layers):
+      x_btd, _ = layer(x_btd, positions_bt, (cache.k[i], cache.v[i]), cache_index_b, mask_bts)
+    return self.norm(x_btd)
+
+  def init_everything(self, taps_btld, x_btd, positions_bt, cache, cache_index_b, mask_bts):
+    self.context_kv(taps_btld, positions_bt)
+    return self(x_btd, positions_bt, cache, cache_index_b, mask_bts)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
+def init_head_params(config: HeadConfig, rng: jax.Array, dtype: Dtype = jnp.float32):
+  """Fresh head params (float32 master weights by default)."""
+  c = config
+  taps = jnp.zeros((1, 1, c.num_taps, c.hidden_size), dtype)
+  x = jnp.zeros((1, 1, c.hidden_size), dtype)
+  zero = jnp.zeros((1,), jnp.int32)
+  cache = KVCache.zeros(c.layer_config(), 1, 1, dtype)
+  variables = DraftHead(c, dtype).init(rng, taps, x, zero[:, None], cache, zero,
+                                       jnp.ones((1, 1, 1), bool), method=DraftHead.init_everything)
+  return jax.tree.map(lambda p: p.astype(dtype), variables["params"])
+
+
+def init_head_cache(config: HeadConfig, batch: int, size: int, dtype: Dtype) -> KVCache:
+  return KVCache.zeros(config.layer_config(), batch, size, dtype)
+
+
+def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, start_b,
+                   dtype: Dtype = jnp.float32) -> KVCache:
+  """Writes context K/V for T newly committed tokens at slots (= positions) start_b + t."""
+  positions_bt = start_b[:, None] + jnp.arange(taps_btld.shape[1], dtype=jnp.int32)[None, :]
+  kvs = DraftHead(config, dtype).apply({"params": head_params}, taps_btld.astype(dtype),
+                                       positions_bt, method=DraftHead.context_kv)
+  return KVCache(k=tuple(write_rows(buf, k, start_b) for buf, (k, _) in zip(cache.k, kvs)),
+                 v=tuple(write_rows(buf, v, start_b) for buf, (_, v) in zip(cache.v, kvs)))
+
+
+def _block_tokens(config: HeadConfig, anchors_ba):
+  """[B, A, block]: each anchor followed by block - 1 MASK tokens."""
+  masks = jnp.full(anchors_ba.shape + (config.depth,), config.mask_token_id, jnp.int32)
+  return jnp.concatenate([anchors_ba[..., None].astype(jnp.int32), masks], axis=-1)
+
+
+def draft_block(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
+                cache: KVCache, context_len_b, anchor_b, dtype: Dtype = jnp.float32):
+  """Per-depth draft logits `[B, depth, V]` for one block after `context_len_b` cached rows.
+
+  The block's own keys are written into `cache` after the context and then
+  dropped: the next `append_context` overwrites those slots.
+  """
+  block = config.block_size
+  x_btd = embed_tokens(target_params, target_config, _block_tokens(config, anchor_b[:, None])[:, 0])
+  positions_bt = context_len_b[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
+  mask_bts = decode_mask(context_len_b, cache.size, block, config.causal)
+  hidden_btd = DraftHead(config, dtype).apply({"params": head_params}, x_btd.astype(dtype),
+                                              positions_bt, cache, context_len_b, mask_bts)
+  return lm_logits(target_params, target_config, hidden_btd[:, 1:])
+
+
+@functools.partial(jax.jit, static_argnames=("head_config", "target_config"))
+def draft_logits(head_params, head_config: HeadConfig, target_params,
+                 target_config: Qwen3Config, token_ids):
+  """Per-depth draft logits `[batch, block_size - 1, vocab]`.
+
+  The last token of `token_ids` (`[batch, n]`, n >= 2) is the anchor; the
+  target's taps of the n - 1 earlier tokens are the context, at positions
+  0..n-2, and the block sits at positions n-1 .. n-2+block.
+  """
+  token_ids = jnp.asarray(token_ids, jnp.int32)
+  batch, n = token_ids.shape
+  dtype = jax.tree.leaves(head_params)[0].dtype
+  _, _, taps = forward(target_params, target_config, token_ids[:, :-1],
+                       tap_layers=head_config.target_layer_ids)
+  cache = init_head_cache(head_config, batch, n - 1 + head_config.block_size, dtype)
+  start = jnp.zeros((batch,), jnp.int32)
+  cache = append_context(head_params, head_config, cache, taps, start, dtype)
+  return draft_block(head_params, head_config, target_params, target_config, cache,
+                     jnp.full((batch,), n - 1, jnp.int32), token_ids[:, -1], dtype)
+
+
+def training_logits(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
+                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32):
+  """Draft logits `[B, A, depth, V]` for A anchors per sequence in one packed head forward.
+
+  Context rows are all T tokens' taps; anchor a's block reads rows < a only
+  (see `masks.training_mask`), so each block sees what it would see at decode time.
+  """
+  batch, length = tokens_bt.shape
+  num_anchors, block = anchors_ba.shape[1], config.block_size
+  anchor_tokens_ba = jnp.take_along_axis(tokens_bt, anchors_ba, axis=1)
+  x_btd = embed_tokens(target_params, target_config,
+                       _block_tokens(config, anchor_tokens_ba).reshape(batch, -1))
+  positions_bt = (anchors_ba[:, :, None] + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
+
+  head = DraftHead(config, dtype)
+  kvs = head.apply({"params": head_params}, taps_btld.astype(dtype),
+                   jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
+                   method=DraftHead.context_kv)
+  room = jnp.zeros((batch, num_anchors * block) + kvs[0][0].shape[2:], dtype)
+  cache = KVCache(k=tuple(jnp.concatenate([k, room], axis=1) for k, _ in kvs),
+                  v=tuple(jnp.concatenate([v, room], axis=1) for _, v in kvs))
+  mask_bts = training_mask(anchors_ba, length, block, config.causal)
+  hidden_btd = head.apply({"params": head_params}, x_btd.astype(dtype), positions_bt, cache,
+                          jnp.full((batch,), length, jnp.int32), mask_bts)
+  hidden_bakd = hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
+  return lm_logits(target_params, target_config, hidden_bakd)

@@ -1,0 +1,64 @@
+"""Head checkpoints: the reference's HF layout (import/export) and our training workdirs."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax import hf_params
+from jetflow_jax.config import read_config_json
+from jetflow_jax.head import init_head_params
+from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.hf_params import Tensor
+from jetflow_jax.train.checkpointing import HEAD_CONFIG_FILE, restore_head_params
+
+
+def head_tensors(config: HeadConfig) -> Iterator[Tensor]:
+  """Every tensor of a reference-layout head checkpoint."""
+  yield Tensor("fc.weight", ("fc", "kernel"), in_dims=1)
+  yield Tensor("hidden_norm.weight", ("hidden_norm", "scale"))
+  layers = config.layer_config()
+  for i in range(config.num_layers):
+    yield from hf_params.decoder_layer_tensors(layers, i, f"layers.{i}.", (f"layers_{i}",))
+  yield Tensor("norm.weight", ("norm", "scale"))
+
+
+def abstract_head_params(config: HeadConfig, dtype=jnp.float32):
+  return jax.eval_shape(lambda: init_head_params(config, jax.random.key(0), dtype))
+
+
+def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat16) -> None:
+  """Writes `config.json` + `model.safetensors` in the reference layout."""
+  os.makedirs(out_dir, exist_ok=True)
+  params = cast(head_params, dtype)
+  hf_params.save_tensors(params, head_tensors(config), os.path.join(out_dir, "model.safetensors"))
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump({**config.to_hf_dict(), "torch_dtype": jnp.dtype(dtype).name}, f, indent=2)
+
+
+def cast(tree, dtype):
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
+  """Loads a draft head as (HeadConfig, params).
+
+  `path` is a reference-layout HF directory (JetSpec / DFlash heads, or ours
+  exported with `save_hf_head`) or a training workdir of `train.py` (its
+  latest checkpoint).
+  """
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isfile(os.path.join(path, HEAD_CONFIG_FILE)):
+    with open(os.path.join(path, HEAD_CONFIG_FILE)) as f:
+      config = HeadConfig.from_hf_dict(json.load(f), os.path.join(path, HEAD_CONFIG_FILE))
+    params = restore_head_params(path, abstract_head_params(config, jnp.float32))
+    return config, cast(params, dtype)
+  raw = read_config_json(path)
+  config = HeadConfig.from_hf_dict(raw, os.path.join(path, "config.json"))
+  params = hf_params.load_tensors(path, list(head_tensors(config)),
+                                  abstract_head_params(config, dtype), dtype)
+  return config, params

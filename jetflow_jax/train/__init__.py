@@ -1,0 +1,1 @@
+"""Training the draft head: data, losses, the jitted step, checkpoints, the loop."""

@@ -1,0 +1,81 @@
+"""Defaults shared by every training config file (the reference's hyper-parameters)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jetflow_jax.head_config import QWEN3_MASK_TOKEN_ID
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  c.target = ml_collections.ConfigDict()
+  c.target.checkpoint = ""  # HF or converted Qwen3 directory
+  c.target.dtype = "bfloat16"
+  c.target.random_init = False  # a random target of shape `random` instead (tests, smoke runs)
+  c.target.random_seed = 0
+  c.target.random_sharpness = 4.0  # scales the random LM head: peaked, LM-like predictions
+  c.target.random = ml_collections.ConfigDict(dict(
+      vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+      max_position_embeddings=4096))
+
+  c.head = ml_collections.ConfigDict()
+  c.head.num_layers = 5
+  c.head.target_layer_ids = ()  # () spreads num_layers taps from layer 1 to L-3
+  c.head.block_size = 16
+  c.head.mask_token_id = QWEN3_MASK_TOKEN_ID
+  c.head.causal = True  # False trains the bidirectional DFlash baseline
+  c.head.hidden_size = 0  # 0: the target's (must equal it; set only to have it checked)
+  c.head.intermediate_size = 0  # 0: the target's
+  c.head.dtype = "bfloat16"  # compute dtype; params stay float32
+
+  c.data = ml_collections.ConfigDict()
+  c.data.prompts = ""  # JSONL of prompts to regenerate with the target (resumable)
+  c.data.regenerated = ""  # regenerated JSONL; default WORKDIR/regenerated.jsonl
+  c.data.tokenizer = ""  # default: the target checkpoint directory
+  c.data.seq_len = 3072
+  c.data.max_new_tokens = 2048
+  c.data.regenerate_batch_size = 32
+  c.data.regenerate_temperature = 0.0
+  c.data.regenerate_seed = 0
+  c.data.shuffle_seed = 0
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 8
+  c.train.num_anchors = 256
+  c.train.loss = "forward_kl"  # forward_kl | reverse_kl | cross_entropy
+  c.train.temperature = 1.0  # KL temperature (losses scaled by T^2)
+  c.train.depth_gamma = 0.0  # > 0 weighs depth k by exp(-(k-1)/gamma)
+  c.train.lr = 3e-4
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.weight_decay = 0.0
+  c.train.warmup_frac = 0.04
+  c.train.final_lr_frac = 0.1
+  c.train.grad_clip = 1.0
+  c.train.epochs = 6
+  c.train.num_steps = 0  # > 0 caps the run below `epochs` worth of steps
+  c.train.seed = 0
+  c.train.log_every = 10
+  c.train.checkpoint_every = 500
+  c.train.keep_checkpoints = 3
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: all devices not used by fsdp
+  c.mesh.fsdp = 1
+  return c
+
+
+def shrink_for_smoke_run(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A quick local run of a real config: short sequences, few anchors, a handful of steps."""
+  c.data.seq_len = 256
+  c.data.max_new_tokens = 128
+  c.data.regenerate_batch_size = 4
+  c.train.batch_size = 1
+  c.train.num_anchors = 16
+  c.train.num_steps = 20
+  c.train.log_every = 1
+  c.train.checkpoint_every = 10
+  return c

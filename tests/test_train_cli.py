@@ -1,0 +1,133 @@
+"""train.py end to end: the tiny config, kill-and-resume exactness, config validation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jetflow_jax.head_checkpoint import load_head
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A small-vocabulary random target and pre-tokenized prompts: fast enough to run three times.
+FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hidden_layers=4",
+        "--config.head.mask_token_id=127", "--config.head.target_layer_ids=(0,2)",
+        "--config.data.seq_len=48", "--config.data.max_new_tokens=24",
+        "--config.train.batch_size=4", "--config.train.num_steps=30",
+        "--config.train.checkpoint_every=10", "--config.train.log_every=5"]
+
+
+def train_cmd(workdir, *extra):
+  return [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *extra]
+
+
+# Subprocesses see one CPU device, like a user's shell (conftest asks this process for four).
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def run(cmd, timeout=900):
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture
+def prompt_ids_file(tmp_path):
+  rng = np.random.default_rng(0)
+  path = tmp_path / "prompts.jsonl"
+  with open(path, "w") as f:
+    for i in range(40):
+      f.write(json.dumps({"id": i, "prompt_ids": rng.integers(0, 127, 6).tolist()}) + "\n")
+  return str(path)
+
+
+def test_tiny_config_runs_end_to_end(tmp_path):
+  workdir = tmp_path / "tiny"
+  done = run(train_cmd(workdir, "--config.train.num_steps=6"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "done: step 6" in done.stdout
+  lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert lines[-1]["step"] == 6 and len(lines[-1]["agreement_k"]) == 7
+  config, params = load_head(str(workdir))
+  exported_config, exported = load_head(str(workdir / "hf_head"))
+  assert exported_config == config and config.causal and config.block_size == 8
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), exported,
+               params)  # the export is bfloat16
+
+
+def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
+  fast = FAST + [f"--config.data.prompts={prompt_ids_file}"]
+  straight = tmp_path / "straight"
+  done = run(train_cmd(straight, *fast))
+  assert done.returncode == 0, done.stderr[-3000:]
+
+  killed = tmp_path / "killed"
+  process = subprocess.Popen(train_cmd(killed, *fast), cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=ENV)
+  deadline = time.time() + 600
+  while not os.path.isdir(killed / "checkpoints" / "10") and time.time() < deadline:
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert os.path.isdir(killed / "checkpoints" / "10")
+  assert not os.path.isdir(killed / "hf_head"), "the run was meant to die before finishing"
+  resumed = run(train_cmd(killed, *fast))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+  _, want = load_head(str(straight))
+  _, got = load_head(str(killed))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+  other_head = run(train_cmd(straight, *fast, "--config.head.causal=False"))
+  assert other_head.returncode == 2 and "different head" in other_head.stderr
+  assert "Traceback" not in other_head.stderr
+
+
+QWEN3 = {  # config.json fields of the released models (no weights needed)
+    "qwen3_8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3_4b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=2560,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3_30b_a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),
+    "qwen3_0_6b": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=1024,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def config_dir(tmp_path, name):
+  directory = tmp_path / name
+  directory.mkdir()
+  fields = dict(QWEN3[name], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)
+  (directory / "config.json").write_text(json.dumps(fields))
+  return str(directory)
+
+
+@pytest.mark.parametrize("name,taps,target_size,head_size", [
+    ("qwen3_8b", "[1, 9, 17, 25, 33]", "8.19B", "1.049B"),  # the reference head: about 1B
+    ("qwen3_4b", "[1, 9, 17, 25, 33]", "4.02B", "0.537B"),
+    ("qwen3_30b_a3b", "[1, 12, 23, 34, 45]", "30.53B", "0.304B")])
+def test_real_configs_validate_against_config_json(tmp_path, name, taps, target_size, head_size):
+  done = run([sys.executable, "train.py", f"--config=configs/{name}.py", "--validate_only",
+              f"--config.target.checkpoint={config_dir(tmp_path, name)}"])
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert f"taps {taps}" in done.stdout and "config.json only" in done.stdout
+  assert f"({target_size} params" in done.stdout and f"{head_size} params" in done.stdout
+
+
+def test_head_that_does_not_fit_the_target_is_explained(tmp_path):
+  done = run([sys.executable, "train.py", "--config=configs/qwen3_8b.py", "--validate_only",
+              f"--config.target.checkpoint={config_dir(tmp_path, 'qwen3_0_6b')}",
+              "--config.head.hidden_size=4096", "--config.head.mask_token_id=200000"])
+  assert done.returncode == 2 and "Traceback" not in done.stderr
+  for problem in ("hidden_size 4096 != target hidden_size 1024", "[33] out of range [0, 26]",
+                  "mask_token_id 200000 out of range"):
+    assert problem in done.stderr

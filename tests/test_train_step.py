@@ -1,0 +1,141 @@
+"""Losses against float64 NumPy, anchor sampling, learning on a tiny target, sharding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetflow_jax
+from jetflow_jax.generate import generate
+from jetflow_jax.head import init_head_params
+from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.train.losses import depth_weights, kl_divergence, per_depth_loss
+from jetflow_jax.train.sharding import batch_sharding, make_mesh, param_sharding
+from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
+                                    make_train_step, sample_anchors)
+
+VOCAB = 96
+MASK_ID = VOCAB - 1
+
+
+def np_log_softmax(x):
+  x = x.astype(np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_losses_match_float64_reference():
+  rng = np.random.default_rng(0)
+  p, q = rng.normal(size=(2, 3, 4, 50)) * 3
+  labels = rng.integers(0, 50, (3, 4))
+  for temperature in (1.0, 2.0):
+    lp, lq = np_log_softmax(p / temperature), np_log_softmax(q / temperature)
+    forward = (np.exp(lp) * (lp - lq)).sum(-1) * temperature**2
+    reverse = (np.exp(lq) * (lq - lp)).sum(-1) * temperature**2
+    np.testing.assert_allclose(per_depth_loss("forward_kl", q, p, labels, temperature), forward,
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(per_depth_loss("reverse_kl", q, p, labels, temperature), reverse,
+                               rtol=1e-4, atol=1e-5)
+  ce = -np.take_along_axis(np_log_softmax(q), labels[..., None], -1)[..., 0]
+  np.testing.assert_allclose(per_depth_loss("cross_entropy", q, p, labels), ce, rtol=1e-5)
+  assert float(kl_divergence(p, p).max()) < 1e-5
+  np.testing.assert_allclose(depth_weights(4, 2.0), np.exp(-np.arange(4) / 2.0), rtol=1e-6)
+  np.testing.assert_array_equal(depth_weights(3, 0.0), np.ones(3))
+
+
+def test_anchors_are_distinct_response_positions():
+  mask = np.zeros((3, 40), bool)
+  mask[0, 10:30] = True
+  mask[1, 5:8] = True  # fewer candidates than anchors
+  mask[2, 20:] = True  # the last position has nothing after it
+  anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), 6)
+  anchors, valid = np.asarray(anchors), np.asarray(valid)
+  for row in range(3):
+    chosen = anchors[row][valid[row]]
+    assert len(set(chosen.tolist())) == len(chosen)
+    assert mask[row, chosen].all() and (chosen < 39).all() and (chosen >= 1).all()
+  assert valid[0].all() and valid[1].sum() == 3 and valid[2].all()
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+  """A random 4-layer target, greedy continuations of random prompts as data."""
+  from conftest import make_hf_model
+  directory = str(tmp_path_factory.mktemp("target"))
+  make_hf_model(num_hidden_layers=4, vocab_size=VOCAB).save_pretrained(directory)
+  config, params = jetflow_jax.load_qwen3(directory)
+  rng = np.random.default_rng(0)
+  prompt_len, new = 8, 40
+  prompts = [rng.integers(0, MASK_ID, prompt_len).tolist() for _ in range(48)]
+  responses = generate(params, config, prompts, new).tokens
+  tokens = np.array([p + r for p, r in zip(prompts, responses)], np.int32)
+  loss_mask = np.zeros_like(tokens, bool)
+  loss_mask[:, prompt_len:] = True
+  return config, params, tokens, loss_mask
+
+
+def head_for(config, causal=True):
+  return HeadConfig.for_target(config, num_layers=2, block_size=6, mask_token_id=MASK_ID,
+                               causal=causal, target_layer_ids=(0, 2))
+
+
+def test_training_lowers_kl_and_learns_depth_one(tiny_setup):
+  config, params, tokens, loss_mask = tiny_setup
+  head = head_for(config)
+  loss_fn = make_loss_fn(head, config, LossConfig(num_anchors=16))
+  steps = 300
+  optimizer, schedule = make_optimizer(3e-3, 0.9, 0.95, 0.0, 1.0, steps, 0.04, 0.1)
+  head_params = init_head_params(head, jax.random.key(0))
+  state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
+                     opt_state=optimizer.init(head_params))
+  train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, seed=0))
+  evaluate = jax.jit(lambda p: loss_fn(p, params, tokens[:16], loss_mask[:16], jax.random.key(9)))
+
+  before_loss, before = evaluate(state.head_params)
+  batches = np.random.default_rng(1).integers(0, 48, (steps, 8))
+  for rows in batches:
+    state, metrics = train_step(state, params, tokens[rows], loss_mask[rows])
+  after_loss, after = evaluate(state.head_params)
+
+  assert np.isfinite(float(metrics["loss"]))
+  assert float(after["forward_kl"]) < 0.6 * float(before["forward_kl"])
+  # Chance is 1 / 96; a few hundred steps get depth 1 far above it.
+  assert float(after["agreement_k"][0]) > 0.2 > float(before["agreement_k"][0])
+
+
+def test_causal_and_bidirectional_losses_differ(tiny_setup):
+  config, params, tokens, loss_mask = tiny_setup
+  head_params = init_head_params(head_for(config), jax.random.key(0))
+  losses = [jax.jit(make_loss_fn(head_for(config, causal), config, LossConfig(num_anchors=8)))(
+      head_params, params, tokens[:4], loss_mask[:4], jax.random.key(0))[0]
+            for causal in (True, False)]
+  assert abs(float(losses[0]) - float(losses[1])) > 1e-4
+
+
+def test_sharded_step_equals_single_device_step(tiny_setup):
+  assert len(jax.devices()) == 4, "conftest asks XLA for four host devices"
+  config, params, tokens, loss_mask = tiny_setup
+  head = head_for(config)
+  loss_fn = make_loss_fn(head, config, LossConfig(num_anchors=8))
+  optimizer, schedule = make_optimizer(1e-3, 0.9, 0.95, 0.0, 1.0, 10, 0.0, 0.1)
+  step = make_train_step(loss_fn, optimizer, schedule, seed=0)
+  head_params = init_head_params(head, jax.random.key(0))
+  state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
+                     opt_state=optimizer.init(head_params))
+
+  results = []
+  for mesh in (make_mesh(1, 1, jax.devices()[:1]), make_mesh(data=2, fsdp=2)):
+    placed_state = jax.device_put(state, param_sharding(mesh, state))
+    placed_params = jax.device_put(params, param_sharding(mesh, params))
+    rows = batch_sharding(mesh)
+    new_state, metrics = jax.jit(step)(placed_state, placed_params,
+                                       jax.device_put(tokens[:8], rows),
+                                       jax.device_put(loss_mask[:8], rows))
+    results.append((new_state, metrics))
+  (single, single_metrics), (sharded, sharded_metrics) = results
+  assert len(sharded.head_params["fc"]["kernel"].sharding.device_set) == 4
+  np.testing.assert_allclose(sharded_metrics["loss"], single_metrics["loss"], rtol=1e-5)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+               sharded.head_params, single.head_params)
