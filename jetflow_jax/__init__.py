@@ -3,9 +3,12 @@
 from jetflow_jax.checkpoint import load_qwen3
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import CheckpointError, ConfigError, InputError, JetflowError
+from jetflow_jax.head import draft_logits
+from jetflow_jax.head_checkpoint import load_head, save_hf_head
+from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, qwen3_forward
 
 __all__ = [
-    "CheckpointError", "ConfigError", "InputError", "JetflowError", "KVCache", "Qwen3Config",
-    "load_qwen3", "qwen3_forward",
+    "CheckpointError", "ConfigError", "HeadConfig", "InputError", "JetflowError", "KVCache",
+    "Qwen3Config", "draft_logits", "load_head", "load_qwen3", "qwen3_forward", "save_hf_head",
 ]

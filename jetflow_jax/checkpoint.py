@@ -48,7 +48,8 @@ def save_converted(hf_dir: str, out_dir: str, dtype=jnp.bfloat16) -> Qwen3Config
   """Converts a HF checkpoint to orbax params plus its config and tokenizer files."""
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(os.path.join(out_dir, PARAMS_SUBDIR)):
-    raise CheckpointError(f"{out_dir} already holds converted params; choose a new --out")
+    state = "converted params" if is_converted(out_dir) else "an interrupted conversion"
+    raise CheckpointError(f"{out_dir} already holds {state}; choose a new --out or delete it")
   config, params = load_qwen3(hf_dir, dtype)
   os.makedirs(out_dir, exist_ok=True)
   with ocp.StandardCheckpointer() as checkpointer:

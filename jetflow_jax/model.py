@@ -260,9 +260,10 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   slots_bt = cache_index_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
   if positions_bt is None:
     positions_bt = slots_bt
-  if mask_bts is None:
-    mask_bts = causal_mask(slots_bt if cache is not None else slots_bt - cache_index_b[:, None],
-                           length if cache is None else cache.size)
+  if mask_bts is None and cache is None:
+    mask_bts = causal_mask(jnp.broadcast_to(jnp.arange(length), (batch, length)), length)
+  elif mask_bts is None:
+    mask_bts = causal_mask(slots_bt, cache.size)
   dtype = dtype or params["embed_tokens"]["embedding"].dtype
   model = Qwen3(config, dtype=dtype, impl=impl)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,

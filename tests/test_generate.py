@@ -1,5 +1,6 @@
 """AR decoding: greedy equals transformers.generate; the KV cache equals a full re-forward."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,15 +37,18 @@ def test_cached_forward_equals_full_reforward_at_every_step(make_checkpoint, rng
   tokens = rng.integers(0, config.vocab_size, (2, 20))
   full = np.asarray(jetflow_jax.qwen3_forward(params, config, tokens))
 
-  cache = KVCache.zeros(config, 2, 32, jnp.float32)
+  @jax.jit
+  def cached_logits(tokens_bt, cache, start_b):
+    hidden, cache, _ = forward(params, config, tokens_bt, cache=cache, cache_index_b=start_b)
+    return lm_logits(params, config, hidden), cache
+
   prompt = 5
-  hidden, cache, _ = forward(params, config, tokens[:, :prompt], cache=cache,
-                             cache_index_b=jnp.zeros(2, jnp.int32))
-  np.testing.assert_allclose(lm_logits(params, config, hidden), full[:, :prompt], atol=1e-4)
+  logits, cache = cached_logits(tokens[:, :prompt], KVCache.zeros(config, 2, 32, jnp.float32),
+                                jnp.zeros(2, jnp.int32))
+  np.testing.assert_allclose(logits, full[:, :prompt], atol=1e-4)
   for t in range(prompt, tokens.shape[1]):
-    hidden, cache, _ = forward(params, config, tokens[:, t:t + 1], cache=cache,
-                               cache_index_b=jnp.full(2, t, jnp.int32))
-    np.testing.assert_allclose(lm_logits(params, config, hidden)[:, 0], full[:, t], atol=1e-4)
+    logits, cache = cached_logits(tokens[:, t:t + 1], cache, jnp.full(2, t, jnp.int32))
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-4)
 
 
 def test_generated_tokens_are_argmax_of_full_reforward(make_checkpoint, rng):

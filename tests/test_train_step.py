@@ -55,8 +55,9 @@ def test_anchors_are_distinct_response_positions():
   for row in range(3):
     chosen = anchors[row][valid[row]]
     assert len(set(chosen.tolist())) == len(chosen)
-    assert mask[row, chosen].all() and (chosen < 39).all() and (chosen >= 1).all()
-  assert valid[0].all() and valid[1].sum() == 3 and valid[2].all()
+    # An anchor and the token after it are both response tokens.
+    assert mask[row, chosen].all() and mask[row, chosen + 1].all() and (chosen >= 1).all()
+  assert valid[0].all() and valid[1].sum() == 2 and valid[2].all()
 
 
 @pytest.fixture(scope="module")

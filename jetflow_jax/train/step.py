@@ -36,13 +36,14 @@ class LossConfig:
 def sample_anchors(rng, loss_mask_bt, num_anchors: int):
   """Up to `num_anchors` distinct anchor positions per row, uniformly among response tokens.
 
-  An anchor is a committed response token with at least one token after it in
-  the row. Returns (anchors `[B, A]`, valid `[B, A]`); rows with fewer candidate
+  An anchor is a response token followed by another response token (so depth 1
+  has a label). Returns (anchors `[B, A]`, valid `[B, A]`); rows with fewer candidate
   positions than A fill the rest with invalid anchors at position 0.
   """
   length = loss_mask_bt.shape[1]
   position = jnp.arange(length)
-  candidate_bt = loss_mask_bt & (position >= 1) & (position < length - 1)
+  followed_bt = jnp.pad(loss_mask_bt[:, 1:], ((0, 0), (0, 1)))
+  candidate_bt = loss_mask_bt & followed_bt & (position >= 1)
   # Gumbel top-k on a uniform score: A distinct positions drawn without replacement.
   scores = jnp.where(candidate_bt, jax.random.gumbel(rng, loss_mask_bt.shape), -jnp.inf)
   _, anchors_ba = jax.lax.top_k(scores, num_anchors)

@@ -1,0 +1,84 @@
+"""Training data: prompt ids from every record kind, rows and masks, resumable regeneration."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jetflow_jax
+from jetflow_jax.errors import InputError
+from jetflow_jax.generate import generate
+from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
+from jetflow_jax.train.data import load_regenerated, make_dataset, prompt_ids, read_jsonl, to_row
+from jetflow_jax.train.regenerate import regenerate
+from jetflow_jax.sampling import Greedy
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return load_tokenizer(bundled_qwen3_tokenizer_dir())
+
+
+def test_prompt_ids_from_text_messages_and_ids(tokenizer):
+  from_prompt = prompt_ids({"prompt": "Sort a list."}, tokenizer, "r")
+  from_messages = prompt_ids({"messages": [{"role": "user", "content": "Sort a list."},
+                                           {"role": "assistant", "content": "old answer"}]},
+                             tokenizer, "r")
+  assert from_prompt == from_messages  # the old assistant turn is dropped, then regenerated
+  text = tokenizer.decode(from_prompt)
+  assert text.startswith("<|im_start|>user\nSort a list.<|im_end|>")
+  assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+  assert prompt_ids({"prompt_ids": [5, 6]}, None, "r") == [5, 6]
+  with pytest.raises(InputError, match="need a tokenizer"):
+    prompt_ids({"prompt": "x"}, None, "record 3")
+  with pytest.raises(InputError, match="'prompt', 'messages' or 'prompt_ids'"):
+    prompt_ids({"text": "x"}, tokenizer, "record 3")
+
+
+def test_rows_are_padded_cut_and_masked_on_the_response():
+  row = to_row({"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, 8)
+  assert row["tokens"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+  assert row["loss_mask"].tolist() == [False] * 3 + [True] * 2 + [False] * 3
+  row = to_row({"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}, 5)
+  assert row["tokens"].tolist() == [1, 2, 3, 4, 5] and row["loss_mask"].sum() == 2
+
+
+def test_dataset_batches_and_reshuffles_each_epoch():
+  records = [{"prompt_ids": [i], "response_ids": [i, i]} for i in range(6)]
+  batches = list(make_dataset(records, 4, 3, seed=0, epochs=2))
+  assert len(batches) == 4 and batches[0]["tokens"].shape == (3, 4)
+  first = np.concatenate([b["tokens"][:, 0] for b in batches[:2]])
+  second = np.concatenate([b["tokens"][:, 0] for b in batches[2:]])
+  assert sorted(first) == sorted(second) == list(range(6)) and list(first) != list(second)
+
+
+def test_bad_data_files_are_named(tmp_path):
+  with pytest.raises(InputError, match="not found"):
+    list(read_jsonl(str(tmp_path / "none.jsonl")))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "a"}\n{oops\n')
+  with pytest.raises(InputError, match="bad.jsonl:2: not valid JSON"):
+    list(read_jsonl(str(bad)))
+  short = tmp_path / "short.jsonl"
+  short.write_text(json.dumps({"id": 0, "prompt_ids": [1] * 50, "response_ids": [2]}) + "\n")
+  with pytest.raises(InputError, match="no record has a response within seq_len=16"):
+    load_regenerated(str(short), 16)
+
+
+def test_regeneration_resumes_and_matches_generate(make_checkpoint, tmp_path):
+  directory, _ = make_checkpoint(num_hidden_layers=2)
+  config, params = jetflow_jax.load_qwen3(directory)
+  rng = np.random.default_rng(0)
+  records = [{"id": f"p{i}", "prompt_ids": rng.integers(0, 90, int(rng.integers(3, 9))).tolist()}
+             for i in range(7)]
+  out = tmp_path / "regenerated.jsonl"
+  kwargs = dict(max_new_tokens=6, batch_size=3, max_prompt_len=64, sampler=Greedy())
+  assert regenerate(params, config, records[:4], str(out), **kwargs) == 4
+  with open(out, "a") as f:
+    f.write('{"id": "p5", "prompt_ids": [1')  # a write torn by a kill
+  assert regenerate(params, config, records, str(out), **kwargs) == 3
+  lines = [json.loads(line) for line in open(out)]
+  assert sorted(line["id"] for line in lines) == [f"p{i}" for i in range(7)]
+  for line in lines:
+    want = generate(params, config, [line["prompt_ids"]], 6).tokens[0]
+    assert line["response_ids"] == want
