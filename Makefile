@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a short poem about the sea.
 ARGS ?= --chat --max-new-tokens 128
 
-.PHONY: install test decode clean
+CONFIG ?= configs/tiny.py
+WORKDIR ?= runs/tiny
+
+.PHONY: install test decode train clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +25,9 @@ test: $(STAMP)
 decode: $(STAMP)
 	@test -n "$(CHECKPOINT)" || { echo "usage: make decode CHECKPOINT=DIR [PROMPT='...'] [ARGS='--chat --max-new-tokens 128']"; exit 2; }
 	$(BIN)/python decode.py --checkpoint "$(CHECKPOINT)" --prompt "$(PROMPT)" $(ARGS)
+
+train: $(STAMP)
+	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

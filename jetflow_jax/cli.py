@@ -25,3 +25,6 @@ def run(main: Callable[[], None]) -> None:
   except JetflowError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)

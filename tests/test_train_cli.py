@@ -80,6 +80,8 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   _, want = load_head(str(straight))
   _, got = load_head(str(killed))
   jax.tree.map(np.testing.assert_array_equal, got, want)
+  steps = lambda workdir: [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+  assert steps(killed) == steps(straight) == [5, 10, 15, 20, 25, 30]
 
   other_head = run(train_cmd(straight, *fast, "--config.head.causal=False"))
   assert other_head.returncode == 2 and "different head" in other_head.stderr

@@ -24,6 +24,7 @@ from jetflow_jax.head_checkpoint import save_hf_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.train import checkpointing, setup
 from jetflow_jax.train.data import make_dataset
+from jetflow_jax.train.losses import LOSSES
 from jetflow_jax.train.metrics import MetricsWriter
 from jetflow_jax.train.sharding import (batch_sharding, check_batch, make_mesh, param_sharding)
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
@@ -50,6 +51,8 @@ def _check_head_config(workdir: str, head: HeadConfig) -> None:
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   t = config.train
+  if t.loss not in LOSSES:
+    raise ConfigError(f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
   return LossConfig(kind=t.loss, temperature=t.temperature, depth_gamma=t.depth_gamma,
                     num_anchors=t.num_anchors, head_dtype=cli.parse_dtype(config.head.dtype))
 
@@ -59,11 +62,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   os.makedirs(workdir, exist_ok=True)
   t = config.train
-  target, target_params = setup.load_target(config)
-  head = setup.head_config(config, target)
+  loss_config = _loss_config(config)
+  # Everything checkable from config files is checked before the target's weights load.
+  head = setup.head_config(config, setup.target_config(config))
   _check_head_config(workdir, head)
   mesh = make_mesh(config.mesh.data, config.mesh.fsdp)
   check_batch(mesh, t.batch_size)
+  target, target_params = setup.load_target(config)
   records = setup.training_records(config, workdir, target, target_params)
   dataset = make_dataset(records, config.data.seq_len, t.batch_size, config.data.shuffle_seed,
                          t.epochs)
@@ -89,11 +94,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state = TrainState(step=jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding),
                        head_params=head_params, opt_state=opt_state)
 
-  loss_fn = make_loss_fn(head, target, _loss_config(config))
+  loss_fn = make_loss_fn(head, target, loss_config)
   train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, t.seed),
                        donate_argnames=("state",))
   rows = batch_sharding(mesh)
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, resume_step=start)
   last = {}
   pending = None  # metrics of the previous step, fetched one step late so the device never idles
 

@@ -17,11 +17,29 @@ def _tensorboard_writer(logdir: str):
   return None
 
 
-class MetricsWriter:
-  """Appends one JSON object per logged step to `workdir/metrics.jsonl`."""
+def _step_of(line: str) -> float:
+  """The step of a metrics line; infinity for a line torn by a kill (so it is dropped)."""
+  try:
+    return json.loads(line)["step"]
+  except (json.JSONDecodeError, KeyError, TypeError):
+    return float("inf")
 
-  def __init__(self, workdir: str):
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+class MetricsWriter:
+  """Appends one JSON object per logged step to `workdir/metrics.jsonl`.
+
+  Rows past `resume_step` (logged by a run that died before its next checkpoint)
+  are dropped, so a resumed run's file reads as one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0):
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.isfile(path):
+      with open(path) as f:
+        kept = [line for line in f if _step_of(line) <= resume_step]
+      with open(path, "w") as f:
+        f.writelines(kept)
+    self._jsonl = open(path, "a")
     self._tensorboard = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict, seconds: float) -> dict:
