@@ -19,7 +19,7 @@ import numpy as np
 
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
-from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits
+from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits, params_dtype
 from jetflow_jax.sampling import Greedy, Sampler
 
 MIN_BUCKET = 16
@@ -70,7 +70,7 @@ def prefill(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b, max
             rng, *, sampler: Sampler, cache_size: int, stop_tokens: tuple[int, ...] = ()):
   """Runs the padded prompts through the target and samples the first new token."""
   batch, prompt_len = prompt_bt.shape
-  dtype = target_params["embed_tokens"]["embedding"].dtype
+  dtype = params_dtype(target_params)
   cache = KVCache.zeros(config, batch, cache_size, dtype)
   hidden_btd, cache, _ = forward(target_params, config, prompt_bt, cache=cache,
                                  cache_index_b=jnp.zeros((batch,), jnp.int32))
@@ -185,7 +185,7 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
   chunk = stream_every if on_tokens else max_new_tokens
 
   start = time.perf_counter()
-  dtype = target_params["embed_tokens"]["embedding"].dtype
+  dtype = params_dtype(target_params)
   prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop)
   compile_s = time.perf_counter() - start
   rng = jax.random.key(seed)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.masks import decode_mask, training_mask
 from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
@@ -114,6 +115,8 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
   """
   token_ids = jnp.asarray(token_ids, jnp.int32)
   batch, n = token_ids.shape
+  if n < 2:
+    raise InputError(f"draft_logits needs at least 2 tokens per row (context + anchor); got {n}")
   dtype = jax.tree.leaves(head_params)[0].dtype
   _, _, taps = forward(target_params, target_config, token_ids[:, :-1],
                        tap_layers=head_config.target_layer_ids)

@@ -238,6 +238,11 @@ def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32)
   return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
+def params_dtype(params) -> Dtype:
+  """The dtype a target's params were loaded in; computation runs in it."""
+  return params["embed_tokens"]["embedding"].dtype
+
+
 def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
   """Shapes and dtypes of the params pytree, without allocating it."""
   return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
@@ -264,7 +269,7 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
     mask_bts = causal_mask(jnp.broadcast_to(jnp.arange(length), (batch, length)), length)
   elif mask_bts is None:
     mask_bts = causal_mask(slots_bt, cache.size)
-  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  dtype = dtype or params_dtype(params)
   model = Qwen3(config, dtype=dtype, impl=impl)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers))
@@ -272,13 +277,13 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
 
 def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = None):
   """The target's token embeddings."""
-  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  dtype = dtype or params_dtype(params)
   return Qwen3(config, dtype=dtype).apply({"params": params}, tokens_bt, method=Qwen3.embed)
 
 
 def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = None):
   """The target's float32 logits for final-normed hidden states."""
-  dtype = dtype or params["embed_tokens"]["embedding"].dtype
+  dtype = dtype or params_dtype(params)
   return Qwen3(config, dtype=dtype).apply({"params": params}, hidden_btd, method=Qwen3.logits)
 
 

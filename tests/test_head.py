@@ -114,6 +114,13 @@ def test_draft_logits_match_independent_torch_head(target, causal, tmp_path, rng
   np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
+def test_draft_logits_needs_a_context(target):
+  config, params, _ = target
+  head = HeadConfig.for_target(config, num_layers=1, block_size=4, mask_token_id=95)
+  with pytest.raises(jetflow_jax.InputError, match="at least 2 tokens"):
+    draft_logits(init_head_params(head, jax.random.key(0)), head, params, config, [[5]])
+
+
 def test_mask_flag_changes_exactly_what_it_should(target, rng):
   """One head layer: the last block row sees every block row either way, earlier rows differ."""
   config, params, _ = target
