@@ -141,15 +141,13 @@ def training_logits(head_params, config: HeadConfig, target_params, target_confi
                        _block_tokens(config, anchor_tokens_ba).reshape(batch, -1))
   positions_bt = (anchors_ba[:, :, None] + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
 
-  head = DraftHead(config, dtype)
-  kvs = head.apply({"params": head_params}, taps_btld.astype(dtype),
-                   jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
-                   method=DraftHead.context_kv)
-  room = jnp.zeros((batch, num_anchors * block) + kvs[0][0].shape[2:], dtype)
-  cache = KVCache(k=tuple(jnp.concatenate([k, room], axis=1) for k, _ in kvs),
-                  v=tuple(jnp.concatenate([v, room], axis=1) for _, v in kvs))
+  # Slots [0, T) hold the context; the packed blocks are written after it.
+  cache = init_head_cache(config, batch, length + num_anchors * block, dtype)
+  cache = append_context(head_params, config, cache, taps_btld, jnp.zeros((batch,), jnp.int32),
+                         dtype)
   mask_bts = training_mask(anchors_ba, length, block, config.causal)
-  hidden_btd = head.apply({"params": head_params}, x_btd.astype(dtype), positions_bt, cache,
-                          jnp.full((batch,), length, jnp.int32), mask_bts)
+  hidden_btd = DraftHead(config, dtype).apply({"params": head_params}, x_btd.astype(dtype),
+                                              positions_bt, cache,
+                                              jnp.full((batch,), length, jnp.int32), mask_bts)
   hidden_bakd = hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
   return lm_logits(target_params, target_config, hidden_bakd)

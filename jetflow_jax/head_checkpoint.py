@@ -44,6 +44,15 @@ def cast(tree, dtype):
   return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
 
 
+def workdir_head_config(workdir: str) -> HeadConfig | None:
+  """The head a training workdir was made for, or None for a new workdir."""
+  path = os.path.join(workdir, HEAD_CONFIG_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return HeadConfig.from_hf_dict(json.load(f), path)
+
+
 def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   """Loads a draft head as (HeadConfig, params).
 
@@ -52,9 +61,7 @@ def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   latest checkpoint).
   """
   path = os.path.abspath(os.path.expanduser(path))
-  if os.path.isfile(os.path.join(path, HEAD_CONFIG_FILE)):
-    with open(os.path.join(path, HEAD_CONFIG_FILE)) as f:
-      config = HeadConfig.from_hf_dict(json.load(f), os.path.join(path, HEAD_CONFIG_FILE))
+  if (config := workdir_head_config(path)) is not None:
     params = restore_head_params(path, abstract_head_params(config, jnp.float32))
     return config, cast(params, dtype)
   raw = read_config_json(path)

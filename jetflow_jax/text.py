@@ -19,15 +19,19 @@ def load_tokenizer(directory: str):
   return AutoTokenizer.from_pretrained(directory)
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-  """Token ids of `prompt`; with `chat`, wrapped in the chat template as one user turn."""
-  if not chat:
-    return tokenizer.encode(prompt, add_special_tokens=False)
-  messages = [{"role": "user", "content": prompt}]
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+  """Token ids of a conversation in the chat template, ready for the assistant's turn."""
   # Qwen3's template takes enable_thinking; other templates ignore unknown arguments.
   text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                        enable_thinking=False)
   return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+  """Token ids of `prompt`; with `chat`, wrapped in the chat template as one user turn."""
+  if not chat:
+    return tokenizer.encode(prompt, add_special_tokens=False)
+  return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def bundled_qwen3_tokenizer_dir() -> str:

@@ -10,6 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import copy
 import glob
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,6 +72,17 @@ def make_checkpoint(tmp_path):
     return directory, model
 
   return make
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# CLI subprocesses see one CPU device, like a user's shell (this process asks for four).
+CLI_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def run_cli(*args, timeout=900):
+  """Runs `python ARGS...` from the repository root; returns the CompletedProcess."""
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env=CLI_ENV)
 
 
 @pytest.fixture

@@ -1,9 +1,6 @@
 """The convert CLI round-trips params; decode.py prints what `generate` produces."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,18 +8,12 @@ import numpy as np
 import pytest
 
 import jetflow_jax
+from conftest import run_cli
 from jetflow_jax.generate import generate
 from jetflow_jax.text import encode_prompt, load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, like a shell
-
-
-def run_cli(*args):
-  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, env=ENV)
 
 
 def test_convert_then_load_gives_the_same_params(make_checkpoint, tmp_path):

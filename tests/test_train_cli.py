@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import CLI_ENV, ROOT, run_cli
 from jetflow_jax.head_checkpoint import load_head
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small-vocabulary random target and pre-tokenized prompts: fast enough to run three times.
 FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hidden_layers=4",
         "--config.head.mask_token_id=127", "--config.head.target_layer_ids=(0,2)",
@@ -22,16 +22,8 @@ FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hid
         "--config.train.checkpoint_every=10", "--config.train.log_every=5"]
 
 
-def train_cmd(workdir, *extra):
-  return [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *extra]
-
-
-# Subprocesses see one CPU device, like a user's shell (conftest asks this process for four).
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
-def run(cmd, timeout=900):
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+def train_args(workdir, *extra):
+  return ["train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *extra]
 
 
 @pytest.fixture
@@ -46,7 +38,7 @@ def prompt_ids_file(tmp_path):
 
 def test_tiny_config_runs_end_to_end(tmp_path):
   workdir = tmp_path / "tiny"
-  done = run(train_cmd(workdir, "--config.train.num_steps=6"))
+  done = run_cli(*train_args(workdir, "--config.train.num_steps=6"))
   assert done.returncode == 0, done.stderr[-3000:]
   assert "done: step 6" in done.stdout
   lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
@@ -61,12 +53,12 @@ def test_tiny_config_runs_end_to_end(tmp_path):
 def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   fast = FAST + [f"--config.data.prompts={prompt_ids_file}"]
   straight = tmp_path / "straight"
-  done = run(train_cmd(straight, *fast))
+  done = run_cli(*train_args(straight, *fast))
   assert done.returncode == 0, done.stderr[-3000:]
 
   killed = tmp_path / "killed"
-  process = subprocess.Popen(train_cmd(killed, *fast), cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env=ENV)
+  process = subprocess.Popen([sys.executable, *train_args(killed, *fast)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CLI_ENV)
   deadline = time.time() + 600
   while not os.path.isdir(killed / "checkpoints" / "10") and time.time() < deadline:
     time.sleep(0.05)
@@ -74,7 +66,7 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   process.wait()
   assert os.path.isdir(killed / "checkpoints" / "10")
   assert not os.path.isdir(killed / "hf_head"), "the run was meant to die before finishing"
-  resumed = run(train_cmd(killed, *fast))
+  resumed = run_cli(*train_args(killed, *fast))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
 
   _, want = load_head(str(straight))
@@ -83,7 +75,7 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   steps = lambda workdir: [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
   assert steps(killed) == steps(straight) == [5, 10, 15, 20, 25, 30]
 
-  other_head = run(train_cmd(straight, *fast, "--config.head.causal=False"))
+  other_head = run_cli(*train_args(straight, *fast, "--config.head.causal=False"))
   assert other_head.returncode == 2 and "different head" in other_head.stderr
   assert "Traceback" not in other_head.stderr
 
@@ -118,17 +110,17 @@ def config_dir(tmp_path, name):
     ("qwen3_4b", "[1, 9, 17, 25, 33]", "4.02B", "0.537B"),
     ("qwen3_30b_a3b", "[1, 12, 23, 34, 45]", "30.53B", "0.304B")])
 def test_real_configs_validate_against_config_json(tmp_path, name, taps, target_size, head_size):
-  done = run([sys.executable, "train.py", f"--config=configs/{name}.py", "--validate_only",
-              f"--config.target.checkpoint={config_dir(tmp_path, name)}"])
+  done = run_cli("train.py", f"--config=configs/{name}.py", "--validate_only",
+                 f"--config.target.checkpoint={config_dir(tmp_path, name)}")
   assert done.returncode == 0, done.stderr[-2000:]
   assert f"taps {taps}" in done.stdout and "config.json only" in done.stdout
   assert f"({target_size} params" in done.stdout and f"{head_size} params" in done.stdout
 
 
 def test_head_that_does_not_fit_the_target_is_explained(tmp_path):
-  done = run([sys.executable, "train.py", "--config=configs/qwen3_8b.py", "--validate_only",
-              f"--config.target.checkpoint={config_dir(tmp_path, 'qwen3_0_6b')}",
-              "--config.head.hidden_size=4096", "--config.head.mask_token_id=200000"])
+  done = run_cli("train.py", "--config=configs/qwen3_8b.py", "--validate_only",
+                 f"--config.target.checkpoint={config_dir(tmp_path, 'qwen3_0_6b')}",
+                 "--config.head.hidden_size=4096", "--config.head.mask_token_id=200000")
   assert done.returncode == 2 and "Traceback" not in done.stderr
   for problem in ("hidden_size 4096 != target hidden_size 1024", "[33] out of range [0, 26]",
                   "mask_token_id 200000 out of range"):

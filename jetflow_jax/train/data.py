@@ -19,6 +19,7 @@ import grain
 import numpy as np
 
 from jetflow_jax.errors import InputError
+from jetflow_jax.text import encode_chat
 
 
 def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
@@ -57,9 +58,7 @@ def prompt_ids(record: dict[str, Any], tokenizer, where: str) -> list[int]:
       messages = messages[:-1]
   else:
     raise InputError(f"{where}: a record needs 'prompt', 'messages' or 'prompt_ids'")
-  text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                       enable_thinking=False)
-  return tokenizer.encode(text, add_special_tokens=False)
+  return encode_chat(tokenizer, messages)
 
 
 def to_row(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ import tqdm
 from jetflow_jax import cli
 from jetflow_jax.errors import ConfigError, JetflowError
 from jetflow_jax.head import init_head_params
-from jetflow_jax.head_checkpoint import save_hf_head
+from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.train import checkpointing, setup
 from jetflow_jax.train.data import make_dataset
@@ -37,16 +37,13 @@ class TrainingError(JetflowError):
 
 def _check_head_config(workdir: str, head: HeadConfig) -> None:
   """Writes the head config into a new workdir; refuses a workdir made for another head."""
-  path = os.path.join(workdir, checkpointing.HEAD_CONFIG_FILE)
-  if os.path.isfile(path):
-    with open(path) as f:
-      existing = HeadConfig.from_hf_dict(json.load(f), path)
-    if existing != head:
-      raise ConfigError(f"{workdir} holds a run of a different head ({existing}); "
-                        f"this config asks for {head}. Use a new --workdir.")
-    return
-  with open(path, "w") as f:
-    json.dump(head.to_hf_dict(), f, indent=2)
+  existing = workdir_head_config(workdir)
+  if existing is None:
+    with open(os.path.join(workdir, checkpointing.HEAD_CONFIG_FILE), "w") as f:
+      json.dump(head.to_hf_dict(), f, indent=2)
+  elif existing != head:
+    raise ConfigError(f"{workdir} holds a run of a different head ({existing}); "
+                      f"this config asks for {head}. Use a new --workdir.")
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:

@@ -43,6 +43,14 @@ def finished_ids(out_path: str) -> set[str]:
   return ids
 
 
+def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
+  """The tokenizer in `directory` when some record has text rather than `prompt_ids`."""
+  if all("prompt_ids" in r for r in records):
+    return None
+  from jetflow_jax.text import load_tokenizer  # transformers is slow to import
+  return load_tokenizer(directory)
+
+
 def regenerate(target_params, target_config: Qwen3Config, records: Sequence[dict[str, Any]],
                out_path: str, *, tokenizer=None, max_new_tokens: int, batch_size: int,
                max_prompt_len: int, sampler: Sampler, seed: int = 0) -> int:
@@ -95,13 +103,10 @@ def main(argv=None) -> None:
 
   def run():
     from jetflow_jax.checkpoint import load_qwen3
-    from jetflow_jax.text import load_tokenizer
     if args.batch_size < 1:
       raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
     records = list(read_jsonl(args.prompts))
-    tokenizer = None
-    if any("prompt_ids" not in r for r in records):
-      tokenizer = load_tokenizer(args.tokenizer or args.target)
+    tokenizer = tokenizer_if_needed(records, args.tokenizer or args.target)
     config, params = load_qwen3(args.target, cli.parse_dtype(args.dtype))
     count = regenerate(params, config, records, args.out, tokenizer=tokenizer,
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

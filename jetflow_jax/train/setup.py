@@ -17,7 +17,7 @@ from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.sampling import make_sampler
 from jetflow_jax.train.data import load_regenerated, read_jsonl
-from jetflow_jax.train.regenerate import regenerate
+from jetflow_jax.train.regenerate import regenerate, tokenizer_if_needed
 
 
 def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
@@ -88,10 +88,7 @@ def training_records(config: ml_collections.ConfigDict, workdir: str, target: Qw
   regenerated = d.regenerated or os.path.join(workdir, "regenerated.jsonl")
   if d.prompts:
     records = list(read_jsonl(d.prompts))
-    tokenizer = None
-    if any("prompt_ids" not in r for r in records):
-      from jetflow_jax.text import load_tokenizer
-      tokenizer = load_tokenizer(d.tokenizer or config.target.checkpoint)
+    tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
     regenerate(target_params, target, records, regenerated, tokenizer=tokenizer,
                max_new_tokens=d.max_new_tokens, batch_size=d.regenerate_batch_size,
                max_prompt_len=d.seq_len - 2, sampler=make_sampler(d.regenerate_temperature),
