@@ -12,7 +12,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-AttentionImpl = Literal["xla"]
+# "pallas" selects the Pallas kernel where one exists (read-only cache + tree rows, see
+# `jetflow_jax.kernels`); plain masked attention always runs through XLA.
+AttentionImpl = Literal["xla", "pallas"]
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
@@ -34,7 +36,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts:
 
   Fully masked query rows (padding) get a uniform average rather than NaN.
   """
-  if impl != "xla":
+  if impl not in ("xla", "pallas"):
     raise ValueError(f"unknown attention impl {impl!r}")
   with jax.named_scope("attention"):
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_bts[:, None],

@@ -47,7 +47,7 @@ def bucket_length(n: int, limit: int) -> int:
   return min(limit, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
 
 
-def _is_stop(tokens_b, stop_tokens):
+def is_stop(tokens_b, stop_tokens):
   if not stop_tokens:
     return jnp.zeros(tokens_b.shape, bool)
   return jnp.isin(tokens_b, jnp.asarray(stop_tokens, jnp.int32))
@@ -60,7 +60,7 @@ def _append(state: DecodeState, new_b: jax.Array, stop_tokens) -> DecodeState:
   tokens = state.tokens_bs.at[rows, state.lengths_b].set(
       jnp.where(live, new_b, state.tokens_bs[rows, state.lengths_b]))
   lengths = state.lengths_b + live.astype(jnp.int32)
-  done = (state.done_b | (live & _is_stop(new_b, stop_tokens)) | (lengths >= state.max_lengths_b)
+  done = (state.done_b | (live & is_stop(new_b, stop_tokens)) | (lengths >= state.max_lengths_b)
           | (lengths >= tokens.shape[1]))
   return state.replace(tokens_bs=tokens, lengths_b=lengths, done_b=done)
 

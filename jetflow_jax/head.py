@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.masks import decode_mask, training_mask
+from jetflow_jax.attention import AttentionImpl
+from jetflow_jax.masks import in_block_mask, training_mask
 from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
                                write_rows)
 
@@ -29,12 +30,13 @@ from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forwa
 class DraftHead(nn.Module):
   config: HeadConfig
   dtype: Dtype = jnp.float32
+  impl: AttentionImpl = "xla"
 
   def setup(self):
     c = self.config
     self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=self.dtype)
     self.hidden_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    self.layers = [DecoderLayer(c.layer_config(), i, dtype=self.dtype)
+    self.layers = [DecoderLayer(c.layer_config(), i, dtype=self.dtype, impl=self.impl)
                    for i in range(c.num_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
 
@@ -44,10 +46,16 @@ class DraftHead(nn.Module):
     features_btd = self.hidden_norm(self.fc(taps_btld.reshape(batch, length, -1)))
     return [layer.self_attn.keys_values(features_btd, positions_bt) for layer in self.layers]
 
-  def __call__(self, x_btd, positions_bt, cache: KVCache, cache_index_b, mask_bts):
-    """Block rows through the layers, reading `cache` (context) under `mask_bts`."""
+  def __call__(self, x_btd, positions_bt, cache: KVCache, cache_index_b, mask_bts,
+               block_mask_btt=None):
+    """Block rows through the layers, reading `cache` (context) under `mask_bts`.
+
+    With `block_mask_btt` the cache is only read: the rows see its first
+    `cache_index_b` slots and each other under that mask (decode time).
+    """
     for i, layer in enumerate(self.layers):
-      x_btd, _ = layer(x_btd, positions_bt, (cache.k[i], cache.v[i]), cache_index_b, mask_bts)
+      x_btd, _ = layer(x_btd, positions_bt, (cache.k[i], cache.v[i]), cache_index_b, mask_bts,
+                       block_mask_btt)
     return self.norm(x_btd)
 
   def init_everything(self, taps_btld, x_btd, positions_bt, cache, cache_index_b, mask_bts):
@@ -89,18 +97,20 @@ def _block_tokens(config: HeadConfig, anchors_ba):
 
 
 def draft_block(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
-                cache: KVCache, context_len_b, anchor_b, dtype: Dtype = jnp.float32):
+                cache: KVCache, context_len_b, anchor_b, dtype: Dtype = jnp.float32,
+                impl: AttentionImpl = "xla"):
   """Per-depth draft logits `[B, depth, V]` for one block after `context_len_b` cached rows.
 
-  The block's own keys are written into `cache` after the context and then
-  dropped: the next `append_context` overwrites those slots.
+  The cache is only read: the block attends to its context slots and to itself
+  (causally or not), and its own keys never enter the cache.
   """
-  block = config.block_size
+  batch, block = anchor_b.shape[0], config.block_size
   x_btd = embed_tokens(target_params, target_config, _block_tokens(config, anchor_b[:, None])[:, 0])
   positions_bt = context_len_b[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
-  mask_bts = decode_mask(context_len_b, cache.size, block, config.causal)
-  hidden_btd = DraftHead(config, dtype).apply({"params": head_params}, x_btd.astype(dtype),
-                                              positions_bt, cache, context_len_b, mask_bts)
+  block_mask_btt = jnp.broadcast_to(in_block_mask(block, config.causal), (batch, block, block))
+  hidden_btd = DraftHead(config, dtype, impl).apply(
+      {"params": head_params}, x_btd.astype(dtype), positions_bt, cache, context_len_b, None,
+      block_mask_btt)
   return lm_logits(target_params, target_config, hidden_btd[:, 1:])
 
 
@@ -120,7 +130,7 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
   dtype = jax.tree.leaves(head_params)[0].dtype
   _, _, taps = forward(target_params, target_config, token_ids[:, :-1],
                        tap_layers=head_config.target_layer_ids)
-  cache = init_head_cache(head_config, batch, n - 1 + head_config.block_size, dtype)
+  cache = init_head_cache(head_config, batch, n - 1, dtype)
   start = jnp.zeros((batch,), jnp.int32)
   cache = append_context(head_params, head_config, cache, taps, start, dtype)
   return draft_block(head_params, head_config, target_params, target_config, cache,

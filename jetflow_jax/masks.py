@@ -2,6 +2,8 @@
 
 Keys are laid out as [context rows | block rows]. Context row j holds the fused
 target taps of token j. Block rows are `[anchor, MASK x (block - 1)]` per anchor.
+At decode time the head reads its context cache plus one block under
+`in_block_mask` (see `head.draft_block`).
 """
 
 from __future__ import annotations
@@ -32,20 +34,3 @@ def training_mask(anchors_ba: jax.Array, num_context: int, block_size: int,
   offsets = jnp.tile(in_block_mask(block_size, causal), (num_anchors, num_anchors))
   blocks = jnp.broadcast_to(same_anchor & offsets, (batch,) + same_anchor.shape)
   return jnp.concatenate([context, blocks], axis=-1)
-
-
-def decode_mask(context_len_b: jax.Array, cache_size: int, block_size: int,
-                causal: bool) -> jax.Array:
-  """[B, block, cache_size] mask for one block stored right after the context in a cache.
-
-  Row b's context fills slots [0, context_len), its block slots
-  [context_len, context_len + block); later slots are stale and hidden.
-  """
-  slots = jnp.arange(cache_size)[None, None, :]
-  start = context_len_b[:, None, None]
-  offset_in_block = slots - start
-  row = jnp.arange(block_size)[None, :, None]
-  in_block = (offset_in_block >= 0) & (offset_in_block < block_size)
-  visible_in_block = offset_in_block <= row if causal else True
-  mask = (slots < start) | (in_block & visible_in_block)
-  return jnp.broadcast_to(mask, (context_len_b.shape[0], block_size, cache_size))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jetflow_jax.attention import AttentionImpl, apply_rope, attention, causal_mask
+from jetflow_jax.kernels import tree_attention
 from jetflow_jax.config import Qwen3Config
 
 Dtype = Any
@@ -71,13 +72,20 @@ class Attention(nn.Module):
     k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd)), positions_bt, self.config.rope_theta)
     return k_btkh, self.v_proj(x_btd)
 
-  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts):
+  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts, tree_mask_btt=None):
     """Attends the T new rows to the cache after writing their keys at `cache_index_b`.
 
     `kv` is this layer's `(k_bskh, v_bskh)` buffers, or None to attend to the new rows only.
+    With `tree_mask_btt`, the cache is read-only: the rows read its first `cache_index_b`
+    slots plus each other under that mask, and their own (k, v) are returned unwritten.
     """
     q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd)), positions_bt, self.config.rope_theta)
     k_btkh, v_btkh = self.keys_values(x_btd, positions_bt)
+    if tree_mask_btt is not None:
+      out_btnh = tree_attention(q_btnh, kv[0], kv[1], cache_index_b, k_btkh.astype(self.dtype),
+                                v_btkh.astype(self.dtype), tree_mask_btt, impl=self.impl,
+                                interpret=jax.default_backend() == "cpu")
+      return self.o_proj(out_btnh), (k_btkh, v_btkh)
     if kv is not None:
       k_btkh = write_rows(kv[0], k_btkh, cache_index_b)
       v_btkh = write_rows(kv[1], v_btkh, cache_index_b)
@@ -169,10 +177,10 @@ class DecoderLayer(nn.Module):
     else:
       self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
 
-  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts):
+  def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts, tree_mask_btt=None):
     with jax.named_scope("attention_block"):
       attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), positions_bt, kv, cache_index_b,
-                                    mask_bts)
+                                    mask_bts, tree_mask_btt)
       x_btd = x_btd + attn_btd
     with jax.named_scope("mlp_block"):
       x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
@@ -196,16 +204,18 @@ class Qwen3(nn.Module):
       self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
 
   def __call__(self, tokens_bt, positions_bt, cache: KVCache | None, cache_index_b, mask_bts,
-               tap_layers: Sequence[int] = ()):
+               tap_layers: Sequence[int] = (), tree_mask_btt=None):
     """Returns (final normed hidden `[B, T, D]`, updated cache, taps `[B, T, len(taps), D]`).
 
     Tap i is the raw output of decoder layer `tap_layers[i]` (HF `hidden_states[i + 1]`).
+    With `tree_mask_btt` the cache is only read, and the returned cache holds the T new
+    rows' keys and values (`[B, T, K, H]` per layer) instead.
     """
     x_btd = self.embed_tokens(tokens_bt)
     new_k, new_v, taps = [], [], {}
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x_btd, (k, v) = layer(x_btd, positions_bt, kv, cache_index_b, mask_bts)
+      x_btd, (k, v) = layer(x_btd, positions_bt, kv, cache_index_b, mask_bts, tree_mask_btt)
       new_k.append(k)
       new_v.append(v)
       if i in tap_layers:
@@ -251,13 +261,18 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
 def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
             cache: KVCache | None = None, cache_index_b=None, mask_bts=None,
             tap_layers: Sequence[int] = (), dtype: Dtype | None = None,
-            impl: AttentionImpl = "xla"):
+            impl: AttentionImpl = "xla", tree_mask_btt=None):
   """One target forward. Returns (hidden `[B, T, D]`, cache, taps).
 
   Without a cache, the T rows attend to each other causally (or by `mask_bts`,
   `[B, T, T]`). With a cache, their keys are written at slots
   `cache_index_b[b] + t` and `mask_bts` is `[B, T, S]`, by default causal over
   slots. RoPE positions default to the slot indices.
+
+  With `tree_mask_btt` (`[B, T, T]`, tree verification and draft blocks), the
+  cache is read-only: the rows see its first `cache_index_b[b]` slots and each
+  other where the mask is True, and the returned `KVCache` holds their own keys
+  and values (`[B, T, K, H]`), for the caller to commit the rows it keeps.
   """
   batch, length = tokens_bt.shape
   if cache_index_b is None:
@@ -265,6 +280,12 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   slots_bt = cache_index_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
   if positions_bt is None:
     positions_bt = slots_bt
+  if tree_mask_btt is not None:
+    if cache is None:
+      raise ValueError("tree_mask_btt needs the cache it reads")
+    return Qwen3(config, dtype=dtype or params_dtype(params), impl=impl).apply(
+        {"params": params}, tokens_bt, positions_bt, cache, cache_index_b, None,
+        tuple(tap_layers), tree_mask_btt)
   if mask_bts is None and cache is None:
     mask_bts = causal_mask(jnp.broadcast_to(jnp.arange(length), (batch, length)), length)
   elif mask_bts is None:

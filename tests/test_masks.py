@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jetflow_jax.masks import decode_mask, training_mask
+from jetflow_jax.masks import training_mask
 
 
 def brute_force_training_mask(anchors, num_context, block, causal):
@@ -31,15 +31,3 @@ def test_training_mask_equals_brute_force(causal):
     for b in range(anchors.shape[0]):
       np.testing.assert_array_equal(got[b], brute_force_training_mask(anchors[b], num_context,
                                                                       block, causal))
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_decode_mask_equals_brute_force(causal):
-  context_len, size, block = np.array([0, 3, 9]), 16, 5
-  got = np.asarray(decode_mask(context_len, size, block, causal))
-  for b, start in enumerate(context_len):
-    for i in range(block):
-      for s in range(size):
-        in_block = start <= s < start + block
-        want = s < start or (in_block and (s - start <= i or not causal))
-        assert got[b, i, s] == want, (b, i, s)

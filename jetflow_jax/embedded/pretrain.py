@@ -1,0 +1,184 @@
+"""Pre-trains the embedded Qwen3 target on the standard library with PyTorch + transformers.
+
+PyTorch is used here only because it trains this small model faster on CPU than
+our JAX port (measured); the result is a plain HF checkpoint that our JAX loader
+reads like any other. The run is resumable: the whole training state is saved
+atomically to `WORKDIR/checkpoint.pt` every few minutes, and re-running the same
+command continues from it.
+
+    python -m jetflow_jax.embedded.pretrain --workdir runs/embedded/pretrain \
+        --out jetflow_jax/embedded/checkpoints/target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from jetflow_jax.embedded import corpus, evaluation
+from jetflow_jax.embedded.tokenizer import EOS_TOKEN, MASK_TOKEN, train_tokenizer
+
+
+def model_config(vocab_size: int, eos_id: int):
+  from transformers import Qwen3Config
+  return Qwen3Config(
+      vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos_id,
+      eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
+
+
+def tokenize_files(tokenizer, files: list[str], eos_id: int) -> np.ndarray:
+  """All files' token ids, each file followed by EOS, as one uint16 stream."""
+  ids = []
+  for name in files:
+    ids.extend(tokenizer.encode(corpus.read_source(name), add_special_tokens=False))
+    ids.append(eos_id)
+  return np.asarray(ids, np.uint16)
+
+
+def prepare_data(workdir: str):
+  """Tokenizer and tokenized splits, built once and cached in the workdir."""
+  from transformers import AutoTokenizer
+  tok_dir = os.path.join(workdir, "tokenizer")
+  if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+    train_tokenizer(tok_dir)
+  tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+  eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+  splits = {}
+  train_files, heldout_files = corpus.split_files()
+  for split, files in (("train", train_files), ("heldout", heldout_files)):
+    path = os.path.join(workdir, f"{split}_ids.npy")
+    if not os.path.isfile(path):
+      np.save(path + ".tmp.npy", tokenize_files(tokenizer, files, eos_id))
+      os.replace(path + ".tmp.npy", path)
+    splits[split] = np.load(path)
+  return tokenizer, splits
+
+
+def batch_windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int):
+  starts = rng.integers(0, len(ids) - seq_len - 1, size=batch)
+  return np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64)
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+  if step < warmup:
+    return peak * (step + 1) / warmup
+  progress = min(1.0, (step - warmup) / max(1, total - warmup))
+  return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_state(path: str, state: dict):
+  import torch
+  torch.save(state, path + ".tmp")
+  os.replace(path + ".tmp", path)  # atomic: a kill mid-save keeps the previous checkpoint
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--out", required=True, help="HF checkpoint directory written at the end")
+  parser.add_argument("--tokens", type=float, default=12e6, help="training tokens in all")
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=512)
+  parser.add_argument("--lr", type=float, default=2e-3)
+  parser.add_argument("--threads", type=int, default=2)
+  parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (AMX CPUs)")
+  parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  parser.add_argument("--save-every-s", type=float, default=300)
+  parser.add_argument("--eval-every", type=int, default=200)
+  parser.add_argument("--max-steps-now", type=int, default=0, help="stop after this many steps "
+                      "in this process (to measure speed); 0 = run to the end")
+  args = parser.parse_args()
+
+  import torch
+  from tqdm import tqdm
+  from transformers import Qwen3ForCausalLM
+
+  torch.set_num_threads(args.threads)
+  os.makedirs(args.workdir, exist_ok=True)
+  tokenizer, splits = prepare_data(args.workdir)
+  eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+  assert tokenizer.convert_tokens_to_ids(MASK_TOKEN) < len(tokenizer)
+  tokens_per_step = args.batch_size * args.seq_len
+  total_steps = int(args.tokens // tokens_per_step)
+
+  torch.manual_seed(0)
+  model = Qwen3ForCausalLM(model_config(len(tokenizer), eos_id))
+  optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                weight_decay=0.1)
+  train_model = torch.compile(model) if args.compile else model
+  ckpt_path = os.path.join(args.workdir, "checkpoint.pt")
+  metrics_path = os.path.join(args.workdir, "metrics.jsonl")
+  step = 0
+  if os.path.isfile(ckpt_path):
+    state = torch.load(ckpt_path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step = state["step"]
+  _truncate_metrics(metrics_path, step)
+  num_params = sum(p.numel() for p in model.parameters())
+  print(f"model {num_params / 1e6:.2f}M params; train {len(splits['train']) / 1e6:.2f}M tokens, "
+        f"held-out {len(splits['heldout']) / 1e6:.2f}M; step {step}/{total_steps}", flush=True)
+
+  heldout_batches = [batch_windows(splits["heldout"], np.random.default_rng(1000 + i), 16,
+                                   args.seq_len) for i in range(4)]
+  last_save = time.perf_counter()
+  steps_now = 0
+  bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
+  model.train()
+  while step < total_steps:
+    rng = np.random.default_rng(step)  # data depends on the step only: resumes are exact
+    batch = torch.from_numpy(batch_windows(splits["train"], rng, args.batch_size, args.seq_len))
+    lr = learning_rate(step, total_steps, args.lr, warmup=max(1, total_steps // 25))
+    for group in optimizer.param_groups:
+      group["lr"] = lr
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+      loss = train_model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step += 1
+    steps_now += 1
+    record = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr,
+              "grad_norm": float(grad_norm),
+              "tokens_per_s": tokens_per_step / (time.perf_counter() - start)}
+    if step % args.eval_every == 0 or step == total_steps:
+      record["heldout_loss"] = evaluation.mean_loss(model, heldout_batches)
+      model.train()
+    with open(metrics_path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    finished = step == total_steps or (args.max_steps_now and steps_now >= args.max_steps_now)
+    if finished or time.perf_counter() - last_save > args.save_every_s:
+      save_state(ckpt_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "step": step})
+      last_save = time.perf_counter()
+    if finished:
+      break
+  bar.close()
+  if step == total_steps:
+    evaluation.export(model, tokenizer, args.out, splits["heldout"], args.workdir)
+
+
+def _truncate_metrics(path: str, step: int):
+  """Drops metric lines written after the checkpoint being resumed."""
+  if not os.path.isfile(path):
+    return
+  with open(path) as f:
+    kept = [line for line in f if json.loads(line)["step"] <= step]
+  with open(path, "w") as f:
+    f.writelines(kept)
+
+
+if __name__ == "__main__":
+  main()

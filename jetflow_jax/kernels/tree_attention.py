@@ -1,0 +1,75 @@
+"""Tree-verify attention: T new rows attend to a read-only KV cache prefix and to each other.
+
+The cache is never concatenated with the new rows (that would copy it every call): scores against
+the cache and against the new rows are masked separately and share one float32 softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.kernels.tree_attention_pallas import tree_attention_pallas
+
+TreeAttentionImpl = Literal["xla", "pallas"]
+
+
+def tree_attention_xla(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
+                       cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
+                       new_mask_btt: jax.Array) -> jax.Array:
+  """Einsum reference for `tree_attention`; GQA by viewing q as [B, T, K, G, H]."""
+  b, t, n, h = q_btnh.shape
+  s, k = k_cache_bskh.shape[1], k_cache_bskh.shape[2]
+  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+  scale = 1.0 / math.sqrt(h)
+  scores = lambda keys_bskh: jnp.einsum("btkgh,bskh->bkgts", q_btkgh, keys_bskh,
+                                        preferred_element_type=jnp.float32) * scale
+  valid_bs = jnp.arange(s)[None, :] < cache_len_b[:, None]
+  s_cache_bkgts = jnp.where(valid_bs[:, None, None, None, :], scores(k_cache_bskh), -jnp.inf)
+  s_new_bkgtj = jnp.where(new_mask_btt[:, None, None], scores(k_new_btkh), -jnp.inf)
+
+  m_bkgt = jnp.maximum(s_cache_bkgts.max(axis=-1), s_new_bkgtj.max(axis=-1))
+  # A row that may read nothing would give -inf - -inf; it gets zeros, like the kernel.
+  m_bkgt = jnp.where(jnp.isfinite(m_bkgt), m_bkgt, 0.0)[..., None]
+  p_cache_bkgts = jnp.exp(s_cache_bkgts - m_bkgt)
+  p_new_bkgtj = jnp.exp(s_new_bkgtj - m_bkgt)
+  l_bkgt = p_cache_bkgts.sum(axis=-1) + p_new_bkgtj.sum(axis=-1)
+  # Probabilities drop to the value dtype (as in flash attention); products sum in float32.
+  mix = lambda p, values_bskh: jnp.einsum("bkgts,bskh->btkgh", p.astype(values_bskh.dtype),
+                                          values_bskh, preferred_element_type=jnp.float32)
+  o_btkgh = mix(p_cache_bkgts, v_cache_bskh) + mix(p_new_bkgtj, v_new_btkh)
+  l_btkg = jnp.where(l_bkgt > 0.0, l_bkgt, 1.0).transpose(0, 3, 1, 2)
+  return (o_btkgh / l_btkg[..., None]).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
+                   cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
+                   new_mask_btt: jax.Array, *, impl: TreeAttentionImpl = "xla",
+                   interpret: bool = False, block_kv: int = 64, block_rows: int = 64,
+                   kv_splits: int = 1, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """Softmax(q k / sqrt(H)) v over cache slots [0, cache_len_b[b]) and the new rows allowed by
+  `new_mask_btt`; float32 softmax, output in q's dtype.
+
+  q `[B, T, N, H]` (RoPE applied), caches `[B, S, K, H]`, new keys/values `[B, T, K, H]`,
+  mask `[B, T, T]` (query t reads new row j where True). Query head n uses kv head n // (N / K).
+  Cache slots at or past cache_len are ignored: any finite values for the XLA path (it multiplies
+  them by zero probabilities), even NaN/inf for the kernel (it masks them before any product).
+  A row allowed no key at all (cache_len 0 and an empty mask row) returns zeros. The keyword
+  arguments after `impl` tune the Pallas kernel only (see `tree_attention_pallas`);
+  `interpret=True` runs it on CPU.
+  """
+  if q_btnh.shape[2] % k_cache_bskh.shape[2]:
+    raise ValueError(f"{q_btnh.shape[2]} query heads do not group onto "
+                     f"{k_cache_bskh.shape[2]} kv heads")
+  if impl == "xla":
+    return tree_attention_xla(q_btnh, k_cache_bskh, v_cache_bskh, cache_len_b, k_new_btkh,
+                              v_new_btkh, new_mask_btt)
+  if impl == "pallas":
+    return tree_attention_pallas(q_btnh, k_cache_bskh, v_cache_bskh, cache_len_b, k_new_btkh,
+                                 v_new_btkh, new_mask_btt, interpret=interpret, block_kv=block_kv,
+                                 block_rows=block_rows, kv_splits=kv_splits, num_warps=num_warps,
+                                 num_stages=num_stages)
+  raise ValueError(f"unknown tree attention impl {impl!r}")

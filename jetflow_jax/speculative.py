@@ -1,0 +1,360 @@
+"""Speculative tree decoding: one jitted draft-build-verify-accept-commit round, and its loops.
+
+Each round, with nothing going to the host:
+1. the drafter proposes per-depth log-probs after each row's anchor (its last committed token);
+2. a tree of `budget` nodes is built from them (`tree.build_tree`, or the DFlash chain);
+3. one target forward over the nodes reads the committed KV cache and the tree under the
+   ancestor mask (node position = committed length - 1 + depth; the root is the anchor);
+4. the target's choice at every node decides the accepted branch and the bonus token;
+5. only the accepted rows are committed: their K/V go to contiguous cache slots after the
+   committed prefix, their taps to the drafter, their tokens to the sequence.
+
+Invariants, per row: `lengths_b` tokens are committed; the target cache holds the K/V of
+all but the last (the anchor) and so does the drafter's context. Writes of a round cover
+`depth + 1` slots after the committed prefix; slots past what is committed are junk that
+later rounds overwrite, so every buffer keeps `depth + 1` spare slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Literal, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.accept import accept, target_choices
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.drafters import Drafter, HeadDrafter
+from jetflow_jax.errors import InputError
+from jetflow_jax.generate import bucket_length, generate, is_stop, pad_prompts
+from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype, write_rows
+from jetflow_jax.sampling import Greedy, Sampler
+from jetflow_jax.tree import DraftTree, build_tree, chain_tree, validate_tree_args
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+  """How a round turns draft log-probs into a tree: the DFlash chain or the exact top-N tree."""
+
+  kind: Literal["chain", "top_n"]
+  budget: int = 0  # nodes, root included (top_n only)
+  top_k: int = 0  # candidate children per depth (top_n only)
+
+  def num_nodes(self, depth: int) -> int:
+    return depth + 1 if self.kind == "chain" else self.budget
+
+  def __call__(self, depth_logprobs_bdv) -> DraftTree:
+    if self.kind == "chain":
+      return chain_tree(depth_logprobs_bdv)
+    return build_tree(depth_logprobs_bdv, self.budget, self.top_k)
+
+
+@flax.struct.dataclass
+class SpecState:
+  """Everything a round reads and writes (see the module docstring for the invariants)."""
+
+  tokens_bs: jax.Array  # committed tokens (prompt included), junk past lengths_b
+  lengths_b: jax.Array
+  max_lengths_b: jax.Array  # a row stops once it holds this many tokens
+  capacity: jax.Array  # committed tokens a row may hold at most (cache size), scalar
+  done_b: jax.Array
+  cache: KVCache  # target K/V
+  drafter_state: Any
+  rng: jax.Array
+  num_forwards: jax.Array  # target forward passes so far, prefill included (scalar)
+  rounds_b: jax.Array  # rounds each row took part in
+  committed_br: jax.Array  # tokens committed by row b in its round r (bonus included)
+
+
+def _take_rows(x_bn, index_bm):
+  """x[b, index[b, m]] for arrays with any trailing axes."""
+  index = index_bm.reshape(index_bm.shape + (1,) * (x_bn.ndim - 2))
+  return jnp.take_along_axis(x_bn, index, axis=1)
+
+
+def _commit_count(state: SpecState, emitted_bd, accepted_depth_b, stop_tokens):
+  """Tokens each row commits this round: up to the bonus, the first stop token, or a limit."""
+  depth_d = jnp.arange(emitted_bd.shape[1], dtype=jnp.int32)
+  stop_bd = is_stop(emitted_bd, stop_tokens) & (depth_d[None, :] <= accepted_depth_b[:, None])
+  first_stop_b = jnp.where(jnp.any(stop_bd, axis=-1), jnp.argmax(stop_bd, axis=-1),
+                           emitted_bd.shape[1])
+  room_b = jnp.minimum(state.max_lengths_b, state.capacity) - state.lengths_b
+  count_b = jnp.minimum(jnp.minimum(accepted_depth_b + 1, first_stop_b + 1), room_b)
+  count_b = jnp.where(state.done_b, 0, count_b)
+  hit_stop_b = first_stop_b < count_b
+  return count_b, hit_stop_b
+
+
+def speculative_round(target_params, drafter_params, state: SpecState, *, config: Qwen3Config,
+                      drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
+                      stop_tokens: tuple[int, ...], impl: str = "xla") -> SpecState:
+  """One whole round for every row (finished rows compute and commit nothing)."""
+  batch = state.lengths_b.shape[0]
+  rows = jnp.arange(batch)
+  context_len_b = state.lengths_b - 1
+  anchor_b = state.tokens_bs[rows, context_len_b]
+
+  with jax.named_scope("draft"):
+    logprobs_bdv = drafter.draft(drafter_params, target_params, config, state.drafter_state,
+                                 anchor_b, context_len_b)
+  with jax.named_scope("build_tree"):
+    tree = tree_shape(logprobs_bdv)
+    tree = tree.replace(tokens=tree.tokens.at[:, 0].set(anchor_b))
+  with jax.named_scope("verify"):
+    hidden_bnd, tree_kv, taps_bnld = forward(
+        target_params, config, tree.tokens, positions_bt=context_len_b[:, None] + tree.depths,
+        cache=state.cache, cache_index_b=context_len_b, tree_mask_btt=tree.ancestor_mask,
+        tap_layers=drafter.tap_layers, impl=impl)
+    logits_bnv = lm_logits(target_params, config, hidden_bnd)
+  with jax.named_scope("accept"):
+    rng, draw = jax.random.split(state.rng)
+    choices_bn = target_choices(sampler, draw, logits_bnv)
+    path_bd, accepted_depth_b, emitted_bd = accept(tree, choices_bn, drafter.depth)
+    count_b, hit_stop_b = _commit_count(state, emitted_bd, accepted_depth_b, stop_tokens)
+
+  with jax.named_scope("commit"):
+    # The path's nodes 0..depth hold the tokens at positions context_len .. context_len + depth.
+    cache = KVCache(k=tuple(write_rows(c, _take_rows(t, path_bd), context_len_b)
+                            for c, t in zip(state.cache.k, tree_kv.k)),
+                    v=tuple(write_rows(c, _take_rows(t, path_bd), context_len_b)
+                            for c, t in zip(state.cache.v, tree_kv.v)))
+    path_taps = None if taps_bnld is None else _take_rows(taps_bnld, path_bd)
+    drafter_state = drafter.commit(drafter_params, state.drafter_state, path_taps, context_len_b)
+    tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
+    lengths_b = state.lengths_b + count_b
+    live_b = ~state.done_b
+    committed_br = state.committed_br.at[rows, state.rounds_b].set(
+        jnp.where(live_b, count_b, state.committed_br[rows, state.rounds_b]))
+    done_b = (state.done_b | hit_stop_b | (lengths_b >= state.max_lengths_b)
+              | (lengths_b >= state.capacity))
+  return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, done_b=done_b, cache=cache,
+                       drafter_state=drafter_state, rng=rng, num_forwards=state.num_forwards + 1,
+                       rounds_b=state.rounds_b + live_b.astype(jnp.int32),
+                       committed_br=committed_br)
+
+
+_STATIC = ("config", "drafter", "tree_shape", "sampler", "stop_tokens", "impl")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("capacity",))
+def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng, *,
+            config: Qwen3Config, drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
+            stop_tokens: tuple[int, ...], impl: str, capacity: int) -> SpecState:
+  """Target forward over the padded prompts; the first token; the drafter's initial state."""
+  del tree_shape, impl  # part of the shared static signature only
+  batch, prompt_len = prompt_bt.shape
+  slots = capacity + drafter.depth + 1
+  cache = KVCache.zeros(config, batch, slots, params_dtype(target_params))
+  hidden_btd, cache, taps_btld = forward(target_params, config, prompt_bt, cache=cache,
+                                         cache_index_b=jnp.zeros((batch,), jnp.int32),
+                                         tap_layers=drafter.tap_layers)
+  last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
+  rng, draw = jax.random.split(rng)
+  first_b = sampler(draw, lm_logits(target_params, config, last_bd))
+  tokens_bs = jnp.zeros((batch, slots), jnp.int32).at[:, :prompt_len].set(prompt_bt)
+  tokens_bs = tokens_bs.at[jnp.arange(batch), prompt_lengths_b].set(first_b)
+  lengths_b = prompt_lengths_b + 1
+  max_lengths_b = prompt_lengths_b + max_new_tokens
+  done_b = is_stop(first_b, stop_tokens) | (lengths_b >= max_lengths_b) | (lengths_b >= capacity)
+  return SpecState(
+      tokens_bs=tokens_bs, lengths_b=lengths_b, max_lengths_b=max_lengths_b,
+      capacity=jnp.asarray(capacity, jnp.int32), done_b=done_b, cache=cache,
+      drafter_state=drafter.init_state(drafter_params, target_params, taps_btld, slots),
+      rng=rng, num_forwards=jnp.ones((), jnp.int32), rounds_b=jnp.zeros((batch,), jnp.int32),
+      committed_br=jnp.zeros((batch, capacity), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def decode(target_params, drafter_params, state: SpecState, max_rounds, *, config: Qwen3Config,
+           drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
+           stop_tokens: tuple[int, ...], impl: str) -> SpecState:
+  """Up to `max_rounds` rounds (traced) in one `lax.while_loop`, until every row is done."""
+  round_fn = functools.partial(speculative_round, config=config, drafter=drafter,
+                               tree_shape=tree_shape, sampler=sampler, stop_tokens=stop_tokens,
+                               impl=impl)
+
+  def cond(carry):
+    step, s = carry
+    return (step < max_rounds) & ~jnp.all(s.done_b)
+
+  def body(carry):
+    step, s = carry
+    return step + 1, round_fn(target_params, drafter_params, s)
+
+  return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+
+METHODS = ("ar", "dflash", "ddtree", "jetflow")
+
+
+@dataclasses.dataclass
+class SpeculativeGeneration:
+  """Generated token ids per prompt (stop token included) and how they were made."""
+
+  tokens: list[list[int]]
+  committed_per_round: list[list[int]]  # per row: tokens each round committed (bonus included)
+  stop_reasons: list[str]  # per row: "stop_token", "max_new_tokens" or "cache_full"
+  num_target_forwards: int  # prefill included
+  compile_s: float
+  wall_s: float  # prefill + decoding, compilation excluded
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def tau(self) -> float:
+    """Tokens committed per verifying target forward, bonus included, over all rows."""
+    rounds = sum(len(r) for r in self.committed_per_round)
+    return sum(map(sum, self.committed_per_round)) / rounds if rounds else 0.0
+
+  def row_tau(self, row: int) -> float:
+    rounds = self.committed_per_round[row]
+    return sum(rounds) / len(rounds) if rounds else 0.0
+
+
+def tree_shape_for(method: str, budget: int, top_k: int) -> TreeShape:
+  if method == "dflash":
+    return TreeShape("chain")
+  if method in ("ddtree", "jetflow"):
+    return TreeShape("top_n", budget, top_k)
+  raise InputError(f"unknown speculative method {method!r}; choose from {', '.join(METHODS[1:])}")
+
+
+def stop_reason(tokens: list[int], max_new_tokens: int, stop_tokens: Sequence[int]) -> str:
+  if tokens and tokens[-1] in stop_tokens:
+    return "stop_token"
+  return "max_new_tokens" if len(tokens) >= max_new_tokens else "cache_full"
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capacity: int):
+  """Ahead-of-time compiled (prefill, decode) for one set of shapes; kept for reuse."""
+  params = (_shapes(target_params), _shapes(drafter_params))
+  key = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)),
+         prompt_shape, tuple(statics.items()), capacity)
+  if key not in _COMPILED:
+    int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    prefill_lowered = prefill.lower(
+        *params, jax.ShapeDtypeStruct(prompt_shape, jnp.int32),
+        jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32), int_scalar,
+        jax.eval_shape(jax.random.key, 0), capacity=capacity, **statics)
+    decode_lowered = decode.lower(*params, prefill_lowered.out_info, int_scalar, **statics)
+    _COMPILED[key] = (prefill_lowered.compile(), decode_lowered.compile())
+  return _COMPILED[key]
+
+
+def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafter_params,
+                    prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                    tree_shape: TreeShape, sampler: Sampler = Greedy(), seed: int = 0,
+                    cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
+                    impl: str = "xla",
+                    on_tokens: Callable[[list[list[int]]], None] | None = None,
+                    stream_every: int = 4) -> SpeculativeGeneration:
+  """Speculative decoding of a batch of prompts with any drafter (see `drafters.Drafter`).
+
+  With `on_tokens`, the host regains control every `stream_every` rounds and is given
+  the tokens so far (streaming); otherwise one jitted loop runs to the end. Both give
+  the same tokens.
+  """
+  if max_new_tokens < 1:
+    raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+  vocab = config.vocab_size
+  if tree_shape.kind == "top_n":
+    validate_tree_args(drafter.depth, vocab, tree_shape.budget, tree_shape.top_k)
+  longest = max((len(p) for p in prompts), default=0)
+  if cache_size is None:
+    needed = longest + max_new_tokens
+    cache_size = bucket_length(needed, max(config.max_position_embeddings, needed))
+  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+  prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
+  statics = dict(config=config, drafter=drafter, tree_shape=tree_shape, sampler=sampler,
+                 stop_tokens=stop, impl=impl)
+
+  start = time.perf_counter()
+  prefill_fn, decode_fn = _compiled(target_params, drafter_params, prompt_bt.shape, statics,
+                                    cache_size)
+  compile_s = time.perf_counter() - start
+
+  def generated(state):
+    tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
+    return [tokens[b, prompt_lengths_b[b]:lengths[b]].tolist() for b in range(len(prompts))]
+
+  start = time.perf_counter()
+  state = prefill_fn(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens,
+                     jax.random.key(seed))
+  chunk = stream_every if on_tokens else max_new_tokens
+  while True:
+    if on_tokens:
+      on_tokens(generated(state))
+    if bool(jnp.all(state.done_b)):
+      break
+    state = decode_fn(target_params, drafter_params, state, chunk)
+  tokens = generated(state)
+  wall_s = time.perf_counter() - start
+  rounds, committed = jax.device_get((state.rounds_b, state.committed_br))
+  return SpeculativeGeneration(
+      tokens=tokens, committed_per_round=[committed[b, :rounds[b]].tolist()
+                                          for b in range(len(prompts))],
+      stop_reasons=[stop_reason(t, max_new_tokens, stop) for t in tokens],
+      num_target_forwards=int(state.num_forwards), compile_s=compile_s, wall_s=wall_s)
+
+
+def speculative_generate(target_params, target_config: Qwen3Config, head_params,
+                         head_config: HeadConfig | None, prompts: Sequence[Sequence[int]],
+                         max_new_tokens: int, *, method: str = "jetflow", budget: int = 64,
+                         top_k: int = 7, sampler: Sampler = Greedy(), seed: int = 0,
+                         attention: str = "xla", cache_size: int | None = None,
+                         stop_tokens: Sequence[int] | None = None,
+                         on_tokens: Callable[[list[list[int]]], None] | None = None,
+                         warn: Callable[[str], None] = print) -> SpeculativeGeneration:
+  """Decodes `prompts` (lists of token ids) with `method` in `METHODS`.
+
+  `dflash` drafts the chain of per-depth top-1 tokens; `ddtree` and `jetflow` the exact
+  top-`budget` tree over per-depth top-`top_k` candidates; `ar` is plain decoding (no head).
+  The head's mask flag comes from its config: naming `jetflow` with a bidirectional head,
+  or `dflash`/`ddtree` with a causal one, calls `warn` once and runs (an ablation).
+  """
+  if method not in METHODS:
+    raise InputError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+  if attention not in ("xla", "pallas"):
+    raise InputError(f"attention must be xla or pallas (got {attention!r})")
+  if method == "ar":
+    return _autoregressive(target_params, target_config, prompts, max_new_tokens, sampler, seed,
+                           cache_size, stop_tokens, on_tokens)
+  if head_config is None or head_params is None:
+    raise InputError(f"method {method!r} needs a draft head (--head); use --method ar without one")
+  head_config.validate_for(target_config)
+  wants_causal = method == "jetflow"
+  if head_config.causal != wants_causal:
+    kind = "causal (JetFlow)" if head_config.causal else "bidirectional (DFlash)"
+    warn(f"warning: method {method} with a {kind} head: running it as an ablation")
+  drafter = HeadDrafter(head_config, jax.tree.leaves(head_params)[0].dtype, attention)
+  return run_speculative(target_params, target_config, drafter, head_params, prompts,
+                         max_new_tokens, tree_shape=tree_shape_for(method, budget, top_k),
+                         sampler=sampler, seed=seed, cache_size=cache_size,
+                         stop_tokens=stop_tokens, impl=attention, on_tokens=on_tokens)
+
+
+def _autoregressive(target_params, config, prompts, max_new_tokens, sampler, seed, cache_size,
+                    stop_tokens, on_tokens) -> SpeculativeGeneration:
+  """Plain decoding (`generate.generate`) reported like a speculative run: one token a forward."""
+  result = generate(target_params, config, prompts, max_new_tokens, sampler=sampler, seed=seed,
+                    cache_size=cache_size, stop_tokens=stop_tokens, on_tokens=on_tokens)
+  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+  return SpeculativeGeneration(
+      tokens=result.tokens, committed_per_round=[[1] * (len(t) - 1) for t in result.tokens],
+      stop_reasons=[stop_reason(t, max_new_tokens, stop) for t in result.tokens],
+      num_target_forwards=result.num_forwards, compile_s=result.compile_s, wall_s=result.wall_s)

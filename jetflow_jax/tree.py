@@ -1,0 +1,148 @@
+"""Draft token trees: the `budget` most likely nodes of the draft head's per-depth top-k tree.
+
+Each round the draft head gives log-probs for depths 1..D. Every node at depth d - 1 gets the
+same K children, the top-K tokens of depth d, and a node scores the sum of the log-probs on its
+path (the root scores 0). `build_tree` keeps the best N = `budget` nodes, root included:
+
+  1. beam_d = the best min(N - 1, K^d) of beam_{d-1} x K children (beam_0 is the root);
+  2. the kept nodes are the root plus the best N - 1 over all beams;
+  3. they are emitted by (depth, beam rank), so every parent comes before its children.
+
+"Best" is one total order: score descending, then depth ascending, then (within a depth) the
+parent's beam rank, then the child's top-k rank. It is exact, ties included:
+  * a parent precedes its child: log-probs are <= 0 so the child never scores higher, and on an
+    equal score the shallower parent wins; so every prefix of the order is ancestor-closed.
+  * beam_d is the exact top of depth d: if parent p missed beam_{d-1}, each of the N - 1 nodes
+    ahead of p has a k-th child scoring >= p's k-th child (the same log-prob is added and float
+    rounding is monotone) and winning an equal score through its parent's rank.
+  * the global top N - 1 restricted to depth d is a top of depth d, so the merge misses nothing.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.errors import InputError
+
+MAX_NODES = 2**31 - 1  # node indices are int32, so larger counts saturate here
+
+
+@flax.struct.dataclass
+class DraftTree:
+  """N nodes per row; node 0 is the root and every parent index is below its children's."""
+
+  tokens: jax.Array  # [B, N] int32; the root's is 0 (the caller fills in the anchor token)
+  parents: jax.Array  # [B, N] int32; -1 for the root
+  depths: jax.Array  # [B, N] int32; the root has depth 0
+  ancestor_mask: jax.Array  # [B, N, N] bool; row i is True at i and at every ancestor of i
+  scores: jax.Array  # [B, N] float32 path log-prob; the root scores 0
+
+
+def max_tree_nodes(depth: int, top_k: int) -> int:
+  """1 + K + K^2 + ... + K^D nodes, saturating at MAX_NODES."""
+  total, level = 1, 1
+  for _ in range(depth):
+    level = min(level * top_k, MAX_NODES)
+    total = min(total + level, MAX_NODES)
+  return total
+
+
+def validate_tree_args(depth: int, vocab: int, budget: int, top_k: int) -> None:
+  """Raises InputError unless a depth-`depth` top-`top_k` tree over `vocab` holds `budget` nodes."""
+  if budget < 2:
+    raise InputError(f"tree budget must be >= 2 nodes (the root and one draft token), got {budget}")
+  if top_k < 1:
+    raise InputError(f"tree top_k must be >= 1 (got {top_k})")
+  if top_k > vocab:
+    raise InputError(f"tree top_k {top_k} exceeds the vocabulary of {vocab} tokens")
+  capacity = max_tree_nodes(depth, top_k)
+  if budget > capacity:
+    raise InputError(f"tree budget {budget} exceeds the {capacity} nodes a depth-{depth} tree "
+                     f"with top-k {top_k} holds")
+
+
+def _as_logprobs(depth_logprobs) -> jax.Array:
+  logprobs_bdv = jnp.asarray(depth_logprobs, jnp.float32)
+  if logprobs_bdv.ndim != 3:
+    raise InputError(
+        f"depth_logprobs must be [batch, depth, vocab], got shape {logprobs_bdv.shape}")
+  return logprobs_bdv
+
+
+def _ancestor_mask(parents_bn: jax.Array, max_depth: int) -> jax.Array:
+  """Row i True at i and its ancestors, by pointer doubling: log2(depth) gathers, not depth."""
+  batch, n = parents_bn.shape
+  gather = jax.vmap(lambda rows, index: rows[index])
+  jump_bn = jnp.where(parents_bn < 0, jnp.arange(n), parents_bn)  # the root points at itself
+  mask_bnn = jnp.broadcast_to(jnp.eye(n, dtype=bool), (batch, n, n))
+  # Invariant: rows cover ancestors up to distance 2^t - 1 and jump is the 2^t-th (or the root).
+  for _ in range(max_depth.bit_length()):
+    mask_bnn = mask_bnn | gather(mask_bnn, jump_bn)
+    jump_bn = gather(jump_bn, jump_bn)
+  return mask_bnn
+
+
+def build_tree(depth_logprobs, budget: int, top_k: int) -> DraftTree:
+  """The `budget` best nodes (root included) of the tree with each depth's top-`top_k` tokens."""
+  logprobs_bdv = _as_logprobs(depth_logprobs)
+  batch, depth, vocab = logprobs_bdv.shape
+  validate_tree_args(depth, vocab, budget, top_k)
+
+  # Beams of every depth, concatenated (root first), each best first; `parents` index this list.
+  scores = [jnp.zeros((batch, 1), jnp.float32)]
+  tokens = [jnp.zeros((batch, 1), jnp.int32)]
+  parents = [jnp.zeros((batch, 1), jnp.int32)]
+  depths = [np.zeros(1, np.int32)]
+  offset = 0  # of the previous depth's beam in the concatenation
+  for d in range(depth):
+    # The only pass over V. One top_k per depth, not one over [B, D, V] sliced afterwards: XLA
+    # CPU turns a top_k whose output is sliced into a full sort of the vocabulary.
+    best_bk, best_tokens_bk = jax.lax.top_k(logprobs_bdv[:, d], top_k)
+    prev_bw = scores[-1]
+    # Candidate c is child c % K of parent c // K, so lax.top_k's lower-index-first tie-break
+    # orders equal scores by (parent rank, child rank), as the module docstring's order says.
+    cand_bc = (prev_bw[:, :, None] + best_bk[:, None, :]).reshape(batch, -1)
+    beam_bw, cand_bw = jax.lax.top_k(cand_bc, min(budget - 1, cand_bc.shape[1]))
+    scores.append(beam_bw)
+    tokens.append(jnp.take_along_axis(best_tokens_bk, cand_bw % top_k, axis=1))
+    parents.append(offset + cand_bw // top_k)
+    depths.append(np.full(beam_bw.shape[1], d + 1, np.int32))
+    offset += prev_bw.shape[1]
+  scores_bt, tokens_bt, parents_bt = (jnp.concatenate(x, axis=1) for x in (scores, tokens, parents))
+  depth_t = jnp.asarray(np.concatenate(depths))
+
+  # The concatenation is depth-major then beam rank, so top_k's lower-index-first tie-break is the
+  # depth-ascending order; the root is forced in first. Sorting the kept indices then emits nodes
+  # by (depth, rank), which puts every parent before its children.
+  keep_bn = jnp.sort(jax.lax.top_k(scores_bt.at[:, 0].set(jnp.inf), budget)[1], axis=1)
+  rows_b1 = jnp.arange(batch)[:, None]
+  # A kept parent's output index is the number of kept nodes before it in the concatenation.
+  before_bnn = keep_bn[:, None, :] < parents_bt[rows_b1, keep_bn][:, :, None]
+  parents_bn = jnp.sum(before_bnn, axis=-1, dtype=jnp.int32).at[:, 0].set(-1)
+  ancestor_bnn = _ancestor_mask(parents_bn, min(depth, budget - 1))  # no deeper path fits
+  return DraftTree(tokens=tokens_bt[rows_b1, keep_bn], parents=parents_bn,
+                   depths=depth_t[keep_bn], ancestor_mask=ancestor_bnn,
+                   scores=scores_bt[rows_b1, keep_bn])
+
+
+def chain_tree(depth_logprobs) -> DraftTree:
+  """DFlash's chain: the top-1 token of every depth, node i at depth i under node i - 1."""
+  logprobs_bdv = _as_logprobs(depth_logprobs)
+  batch, depth, vocab = logprobs_bdv.shape
+  validate_tree_args(depth, vocab, depth + 1, 1)
+  best_bd1, tokens_bd1 = jax.lax.top_k(logprobs_bdv, 1)  # ties pick the lowest id, like build_tree
+  n = depth + 1
+
+  def rows(x):
+    return jnp.broadcast_to(x, (batch,) + x.shape)
+
+  zeros_b1 = jnp.zeros((batch, 1), jnp.int32)
+  return DraftTree(tokens=jnp.concatenate([zeros_b1, tokens_bd1[..., 0]], axis=1),
+                   parents=rows(jnp.arange(-1, depth, dtype=jnp.int32)),
+                   depths=rows(jnp.arange(n, dtype=jnp.int32)),
+                   ancestor_mask=rows(jnp.tril(jnp.ones((n, n), bool))),
+                   scores=jnp.concatenate([zeros_b1.astype(jnp.float32),
+                                           jnp.cumsum(best_bd1[..., 0], axis=1)], axis=1))
