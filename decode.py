@@ -1,6 +1,7 @@
-"""Decode with a Qwen3 checkpoint (HF directory or converted by jetflow_jax.convert).
+"""Decode with a Qwen3 checkpoint, plainly (AR) or speculatively with a draft head.
 
   python decode.py --checkpoint DIR --prompt "Write a haiku" --max-new-tokens 64 --chat
+  python decode.py --checkpoint DIR --head HEAD_DIR --prompt "def f(x):" --budget 64 --compare-ar
   python decode.py --checkpoint DIR --prompt-ids 1,2,3 --json
 """
 
@@ -10,30 +11,48 @@ import argparse
 import json
 import sys
 
+import jax
+
 from jetflow_jax import cli
 from jetflow_jax.checkpoint import load_qwen3
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import generate
+from jetflow_jax.generate import check_context_window
+from jetflow_jax.head_checkpoint import load_head
 from jetflow_jax.sampling import make_sampler
+from jetflow_jax.speculative import METHODS, speculative_generate
 from jetflow_jax.text import encode_prompt, load_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+  parser.add_argument("--checkpoint", required=True, help="target checkpoint directory")
+  parser.add_argument("--head", help="draft head: reference-layout directory or training workdir")
+  parser.add_argument("--method", choices=METHODS,
+                      help="default: jetflow with a --head, ar without")
+  parser.add_argument("--budget", type=int, default=64, help="tree nodes, root included")
+  parser.add_argument("--top-k", type=int, default=7, help="tree candidates per depth")
   prompt = parser.add_mutually_exclusive_group(required=True)
   prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the checkpoint)")
   prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+  prompt.add_argument("--prompts-file", help="one prompt per line (text)")
+  parser.add_argument("--batch-size", type=int, default=1,
+                      help="repeat the prompt this many times (ignored with --prompts-file)")
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
   parser.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+  parser.add_argument("--compare-ar", action="store_true",
+                      help="also decode plainly and report the speedup and whether they agree")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-  parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+  parser.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k; 0 disables")
   parser.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--cache-size", type=int, default=None,
                       help="KV cache slots (default: fits prompt + max new tokens)")
-  parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+  parser.add_argument("--allow-long-context", action="store_true",
+                      help="run past the model's max_position_embeddings on purpose")
+  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
+  parser.add_argument("--dtype", default="auto",
+                      help="auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or bfloat16")
   return parser.parse_args(argv)
 
 
@@ -44,51 +63,91 @@ def parse_ids(text: str) -> list[int]:
     raise InputError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
 
 
+def read_prompts(args, tokenizer_dir: str):
+  """(prompt id lists, tokenizer or None) from whichever prompt flag was given."""
+  if args.prompt_ids is not None:
+    return [parse_ids(args.prompt_ids)] * args.batch_size, None
+  tokenizer = load_tokenizer(tokenizer_dir)
+  if args.prompts_file is not None:
+    try:
+      with open(args.prompts_file) as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+      raise InputError(f"cannot read --prompts-file: {e}") from None
+    if not texts:
+      raise InputError(f"--prompts-file {args.prompts_file} holds no prompt")
+  else:
+    texts = [args.prompt] * args.batch_size
+  return [encode_prompt(tokenizer, t, args.chat) for t in texts], tokenizer
+
+
 def main(argv=None) -> None:
   args = parse_args(argv)
 
   def decode():
-    sampler = make_sampler(args.temperature, args.top_k, args.top_p)
-    config, params = load_qwen3(args.checkpoint, cli.parse_dtype(args.dtype))
-    tokenizer = None
-    if args.prompt is not None:
-      tokenizer = load_tokenizer(args.checkpoint)
-      prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    else:
-      prompt_ids = parse_ids(args.prompt_ids)
-    if bad := [t for t in prompt_ids if not 0 <= t < config.vocab_size]:
+    if args.batch_size < 1:
+      raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    method = args.method or ("jetflow" if args.head else "ar")
+    sampler = make_sampler(args.temperature, args.sample_top_k, args.top_p)
+    dtype = cli.parse_dtype(args.dtype)
+    config, params = load_qwen3(args.checkpoint, dtype)
+    head_config, head_params = load_head(args.head, dtype) if args.head else (None, None)
+    prompts, tokenizer = read_prompts(args, args.checkpoint)
+    if bad := [t for p in prompts for t in p if not 0 <= t < config.vocab_size]:
       raise InputError(f"prompt token ids out of range [0, {config.vocab_size}): {bad[:10]}")
-
+    if not args.allow_long_context:
+      check_context_window(config, prompts, args.max_new_tokens)
+    detokenize = ((lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer
+                  else (lambda ids: " ".join(map(str, ids))))
     printed = [""]
 
     def stream(tokens):
-      text = tokenizer.decode(tokens[0], skip_special_tokens=True) if tokenizer else " ".join(
-          map(str, tokens[0]))
+      text = detokenize(tokens[0])
       sys.stdout.write(text[len(printed[0]):])
       sys.stdout.flush()
       printed[0] = text
 
-    result = generate(params, config, [prompt_ids], args.max_new_tokens, sampler=sampler,
-                      seed=args.seed, cache_size=args.cache_size,
-                      on_tokens=None if args.json else stream)
-    tokens = result.tokens[0]
-    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else None
+    run = lambda method, on_tokens=None: speculative_generate(
+        params, config, head_params, head_config, prompts, args.max_new_tokens, method=method,
+        budget=args.budget, top_k=args.top_k, sampler=sampler, seed=args.seed,
+        attention=args.attention, cache_size=args.cache_size, on_tokens=on_tokens,
+        warn=lambda line: print(line, file=sys.stderr))
+    result = run(method, None if args.json else stream)
     summary = {
-        "token_ids": tokens,
-        "text": text,
-        "num_prompt_tokens": len(prompt_ids),
-        "num_new_tokens": len(tokens),
-        "num_target_forwards": result.num_forwards,
+        "method": method,
+        "token_ids": result.tokens[0],
+        "text": detokenize(result.tokens[0]) if tokenizer else None,
+        "num_prompt_tokens": len(prompts[0]),
+        "num_new_tokens": len(result.tokens[0]),
+        "stop_reason": result.stop_reasons,
+        "tau": round(result.tau, 4),
+        "accepted_lengths": result.committed_per_round[0],
+        "num_target_forwards": result.num_target_forwards,
         "compile_s": round(result.compile_s, 4),
         "wall_s": round(result.wall_s, 4),
-        "tokens_per_s": round(len(tokens) / result.wall_s, 2),
+        "tokens_per_s": round(result.num_tokens / result.wall_s, 2),
     }
+    if len(prompts) > 1:
+      summary["rows"] = [{"token_ids": t, "tau": round(result.row_tau(b), 4)}
+                         for b, t in enumerate(result.tokens)]
+    if args.compare_ar:
+      ar = run("ar")
+      summary.update(ar_wall_s=round(ar.wall_s, 4), speedup=round(ar.wall_s / result.wall_s, 3),
+                     identical_to_ar=ar.tokens == result.tokens)
     if args.json:
       print(json.dumps(summary))
     else:
-      print(f"\n\n[{len(tokens)} tokens, {result.num_forwards} target forwards, "
-            f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s]",
-            file=sys.stderr)
+      line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, "
+              f"{result.num_target_forwards} target forwards, tau {summary['tau']}, "
+              f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
+      if args.compare_ar:
+        line += (f"; {summary['speedup']}x over AR, "
+                 f"{'identical to' if summary['identical_to_ar'] else 'differs from'} AR")
+      print(line + "]", file=sys.stderr)
+    for row, (reason, tokens) in enumerate(zip(result.stop_reasons, result.tokens)):
+      if reason == "cache_full":
+        print(f"row {row} stopped after {len(tokens)} of {args.max_new_tokens} tokens: the KV "
+              "cache is full (raise --cache-size)", file=sys.stderr)
 
   cli.run(decode)
 

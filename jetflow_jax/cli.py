@@ -13,8 +13,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def parse_dtype(name: str):
+  """A --dtype value; `auto` is bfloat16 on accelerators and float32 on CPU (where XLA upcasts
+  bfloat16 matmuls and every host round trip pays the conversion again)."""
+  if name == "auto":
+    import jax
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
   if name not in DTYPES:
-    raise InputError(f"--dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+    raise InputError(f"--dtype must be auto or one of {', '.join(DTYPES)} (got {name!r})")
   return DTYPES[name]
 
 

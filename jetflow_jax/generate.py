@@ -130,6 +130,16 @@ class Generation:
     return sum(len(t) for t in self.tokens)
 
 
+def check_context_window(config: Qwen3Config, prompts: Sequence[Sequence[int]],
+                         max_new_tokens: int) -> None:
+  """Refuses a prompt plus `max_new_tokens` beyond the model's `max_position_embeddings`."""
+  longest = max((len(p) for p in prompts), default=0)
+  if longest + max_new_tokens > config.max_position_embeddings:
+    raise InputError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the "
+                     f"model's context window of {config.max_position_embeddings} positions "
+                     "(max_position_embeddings); shorten them, or pass --allow-long-context")
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], cache_size: int) -> tuple[np.ndarray, np.ndarray]:
   """Right-pads prompts to a shared bucket length; checks they fit the cache."""
   if not prompts or any(len(p) == 0 for p in prompts):
@@ -182,26 +192,41 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
     cache_size = bucket_length(needed, max(config.max_position_embeddings, needed))
   stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
-  chunk = stream_every if on_tokens else max_new_tokens
-
   start = time.perf_counter()
   dtype = params_dtype(target_params)
   prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop)
   compile_s = time.perf_counter() - start
   rng = jax.random.key(seed)
 
-  def generated(state):
-    tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
-    return [tokens[b, prompt_lengths_b[b]:lengths[b]].tolist() for b in range(len(prompts))]
-
   start = time.perf_counter()
   state = prefill_fn(target_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng)
-  while True:
-    if on_tokens:
-      on_tokens(generated(state))
-    if bool(jnp.all(state.done_b)):
-      break
-    state = decode_fn(target_params, state, chunk)
-  tokens = generated(state)
+  state = run_loop(state, lambda s, steps: decode_fn(target_params, s, steps), max_new_tokens,
+                   prompt_lengths_b, on_tokens, stream_every)
+  tokens = new_tokens(state, prompt_lengths_b)
   return Generation(tokens=tokens, num_forwards=int(state.num_forwards), compile_s=compile_s,
                     wall_s=time.perf_counter() - start)
+
+
+def new_tokens(state, prompt_lengths_b) -> list[list[int]]:
+  """Each row's generated tokens from a state with `tokens_bs` and `lengths_b`."""
+  tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
+  return [tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)]
+
+
+def run_loop(state, advance: Callable, max_steps: int, prompt_lengths_b, on_tokens,
+             stream_every: int):
+  """Runs `advance(state, steps)` until every row is done.
+
+  Without `on_tokens`, one call. With it, chunks of `stream_every` steps; the tokens so
+  far are copied on device and handed to the host while the device already runs the next
+  chunk, so streaming costs little. A chunk dispatched after the last row finished does nothing.
+  """
+  if on_tokens is None:
+    return advance(state, max_steps)
+  while True:
+    snapshot = (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b), jnp.all(state.done_b))
+    state = advance(state, stream_every)
+    tokens, lengths, all_done = jax.device_get(snapshot)
+    on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
+    if all_done:
+      return state

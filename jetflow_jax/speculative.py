@@ -31,7 +31,8 @@ from jetflow_jax.accept import accept, target_choices
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.drafters import Drafter, HeadDrafter
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import bucket_length, generate, is_stop, pad_prompts
+from jetflow_jax.generate import (bucket_length, generate, is_stop, new_tokens, pad_prompts,
+                                  run_loop)
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype, write_rows
 from jetflow_jax.sampling import Greedy, Sampler
@@ -288,21 +289,12 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
                                     cache_size)
   compile_s = time.perf_counter() - start
 
-  def generated(state):
-    tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
-    return [tokens[b, prompt_lengths_b[b]:lengths[b]].tolist() for b in range(len(prompts))]
-
   start = time.perf_counter()
   state = prefill_fn(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens,
                      jax.random.key(seed))
-  chunk = stream_every if on_tokens else max_new_tokens
-  while True:
-    if on_tokens:
-      on_tokens(generated(state))
-    if bool(jnp.all(state.done_b)):
-      break
-    state = decode_fn(target_params, drafter_params, state, chunk)
-  tokens = generated(state)
+  state = run_loop(state, lambda s, rounds: decode_fn(target_params, drafter_params, s, rounds),
+                   max_new_tokens, prompt_lengths_b, on_tokens, stream_every)
+  tokens = new_tokens(state, prompt_lengths_b)
   wall_s = time.perf_counter() - start
   rounds, committed = jax.device_get((state.rounds_b, state.committed_br))
   return SpeculativeGeneration(

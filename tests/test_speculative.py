@@ -309,3 +309,12 @@ def test_mismatched_mask_flag_warns_once_and_runs(target, trained_head):
                                             warn=warnings.append)
   assert len(warnings) == 1 and "ablation" in warnings[0]
   assert result.tokens == ar_greedy(config, params, PROMPTS, 6)
+
+
+def test_pallas_attention_gives_the_same_tokens(target, trained_head):
+  """Target verify and head block both through the Pallas kernel (interpret mode on CPU)."""
+  config, params = target
+  head, head_params = trained_head
+  result = jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS[:2], 8,
+                                            budget=6, top_k=2, stop_tokens=(), attention="pallas")
+  assert result.tokens == ar_greedy(config, params, PROMPTS[:2], 8)
