@@ -23,6 +23,7 @@ from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits, para
 from jetflow_jax.sampling import Greedy, Sampler
 
 MIN_BUCKET = 16
+STREAM_INTERVAL_S = 0.1  # streamed text arrives at least this often once chunks have grown
 
 
 @flax.struct.dataclass
@@ -217,16 +218,24 @@ def run_loop(state, advance: Callable, max_steps: int, prompt_lengths_b, on_toke
              stream_every: int):
   """Runs `advance(state, steps)` until every row is done.
 
-  Without `on_tokens`, one call. With it, chunks of `stream_every` steps; the tokens so
-  far are copied on device and handed to the host while the device already runs the next
-  chunk, so streaming costs little. A chunk dispatched after the last row finished does nothing.
+  Without `on_tokens`, one call. With it, chunks of at first `stream_every` steps; the
+  tokens so far are copied on device and handed to the host while the device already runs
+  the next chunk. Each chunk launch has a fixed cost, so chunks grow until they last about
+  `STREAM_INTERVAL_S`: streaming then costs a few percent at most. A chunk dispatched
+  after the last row finished does nothing.
   """
   if on_tokens is None:
     return advance(state, max_steps)
+  steps = stream_every
+  last = time.perf_counter()
   while True:
     snapshot = (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b), jnp.all(state.done_b))
-    state = advance(state, stream_every)
+    state = advance(state, steps)
     tokens, lengths, all_done = jax.device_get(snapshot)
     on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
     if all_done:
       return state
+    now = time.perf_counter()
+    if now - last < STREAM_INTERVAL_S:
+      steps = min(2 * steps, max_steps)
+    last = now

@@ -140,15 +140,12 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
                        committed_br=committed_br)
 
 
-_STATIC = ("config", "drafter", "tree_shape", "sampler", "stop_tokens", "impl")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("capacity",))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "drafter", "sampler", "stop_tokens", "capacity"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng, *,
-            config: Qwen3Config, drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
-            stop_tokens: tuple[int, ...], impl: str, capacity: int) -> SpecState:
+            config: Qwen3Config, drafter: Drafter, sampler: Sampler,
+            stop_tokens: tuple[int, ...], capacity: int) -> SpecState:
   """Target forward over the padded prompts; the first token; the drafter's initial state."""
-  del tree_shape, impl  # part of the shared static signature only
   batch, prompt_len = prompt_bt.shape
   slots = capacity + drafter.depth + 1
   cache = KVCache.zeros(config, batch, slots, params_dtype(target_params))
@@ -171,7 +168,9 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_
       committed_br=jnp.zeros((batch, capacity), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "tree_shape", "sampler",
+                                             "stop_tokens", "impl"),
+                   donate_argnames=("state",))
 def decode(target_params, drafter_params, state: SpecState, max_rounds, *, config: Qwen3Config,
            drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
            stop_tokens: tuple[int, ...], impl: str) -> SpecState:
@@ -246,15 +245,19 @@ def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capaci
   params = (_shapes(target_params), _shapes(drafter_params))
   key = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)),
          prompt_shape, tuple(statics.items()), capacity)
-  if key not in _COMPILED:
-    int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    prefill_lowered = prefill.lower(
+  prefill_statics = {k: statics[k] for k in ("config", "drafter", "sampler", "stop_tokens")}
+  prefill_key = key[:3] + (tuple(prefill_statics.items()), capacity)
+  int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  if prefill_key not in _COMPILED:  # shared by every tree shape and attention impl
+    lowered = prefill.lower(
         *params, jax.ShapeDtypeStruct(prompt_shape, jnp.int32),
         jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32), int_scalar,
-        jax.eval_shape(jax.random.key, 0), capacity=capacity, **statics)
-    decode_lowered = decode.lower(*params, prefill_lowered.out_info, int_scalar, **statics)
-    _COMPILED[key] = (prefill_lowered.compile(), decode_lowered.compile())
-  return _COMPILED[key]
+        jax.eval_shape(jax.random.key, 0), capacity=capacity, **prefill_statics)
+    _COMPILED[prefill_key] = (lowered.compile(), lowered.out_info)
+  prefill_fn, state_shapes = _COMPILED[prefill_key]
+  if key not in _COMPILED:
+    _COMPILED[key] = decode.lower(*params, state_shapes, int_scalar, **statics).compile()
+  return prefill_fn, _COMPILED[key]
 
 
 def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafter_params,

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import time
 
 import numpy as np
@@ -93,6 +94,8 @@ def main():
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
   parser.add_argument("--save-every-s", type=float, default=300)
   parser.add_argument("--eval-every", type=int, default=200)
+  parser.add_argument("--export-only", action="store_true",
+                      help="write --out from the latest checkpoint now (no quality measures)")
   parser.add_argument("--max-steps-now", type=int, default=0, help="stop after this many steps "
                       "in this process (to measure speed); 0 = run to the end")
   args = parser.parse_args()
@@ -123,12 +126,20 @@ def main():
     optimizer.load_state_dict(state["optimizer"])
     step = state["step"]
   _truncate_metrics(metrics_path, step)
+  if args.export_only:
+    model.to(torch.bfloat16).save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"exported step {step} to {args.out}")
+    return
   num_params = sum(p.numel() for p in model.parameters())
   print(f"model {num_params / 1e6:.2f}M params; train {len(splits['train']) / 1e6:.2f}M tokens, "
         f"held-out {len(splits['heldout']) / 1e6:.2f}M; step {step}/{total_steps}", flush=True)
 
   heldout_batches = [batch_windows(splits["heldout"], np.random.default_rng(1000 + i), 16,
                                    args.seq_len) for i in range(4)]
+  stop_requested = []  # SIGTERM/SIGINT finish the current step, save, then exit
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop_requested.append(True))
   last_save = time.perf_counter()
   steps_now = 0
   bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
@@ -158,7 +169,8 @@ def main():
       f.write(json.dumps(record) + "\n")
     bar.update(1)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-    finished = step == total_steps or (args.max_steps_now and steps_now >= args.max_steps_now)
+    finished = (step == total_steps or bool(stop_requested)
+                or (args.max_steps_now and steps_now >= args.max_steps_now))
     if finished or time.perf_counter() - last_save > args.save_every_s:
       save_state(ckpt_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "step": step})

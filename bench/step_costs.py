@@ -1,0 +1,516 @@
+"""What one speculative round costs, piece by piece: AR step, head, tree verify, round, loops.
+
+Run as a script from the repository root (it puts the root on sys.path, so this checkout's
+`jetflow_jax` is what gets measured):
+
+  python bench/step_costs.py                       # cpu-small: a small random Qwen3, float32, CPU
+  python bench/step_costs.py --preset qwen3-8b     # Qwen3-8B shapes, bfloat16; needs a GPU
+  python bench/step_costs.py --lengths 32 --budgets 8,16 --repeats 2 --layers 3 --vocab 512
+
+Target, head, prompt and draft log-probs are all random: the costs depend on shapes only. A row
+holds `length` committed tokens (the prompt is `length - 1` tokens plus the first new one), so
+every piece reads a cache of `length - 1` rows in a buffer of the size decoding would allocate
+for `--loop-rounds` more rounds (XLA's attention reads every slot of it, masked; Pallas's tree
+kernel only the committed ones). Each time is the median of `--repeats` runs after one warm-up,
+on fresh inputs (pieces that donate their state get a copy made outside the clock). All
+executables are compiled ahead of time, overlapped on a thread pool, before anything is timed.
+
+Pieces, per committed length:
+  ar_step               `generate.decode_step` on a `generate.prefill` state (state donated);
+  head/IMPL             `HeadDrafter.draft`: one block after the committed context;
+  verify/IMPL/N         target forward over a fixed N-node `build_tree` tree + `lm_logits`;
+  round/IMPL/N          `speculative_round` (state donated): draft, tree, verify, accept, commit;
+  device_loop           `speculative.decode(max_rounds=R)` once, per round;
+  host_loop             R calls of `decode(max_rounds=1)`, each followed by the host reading
+                        `done_b` (as a streaming loop does), per round.
+Pallas on CPU runs in interpret mode: allowed (`--attention xla,pallas`) but its times say
+nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # before the imports below: measure this checkout, installed or not
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jetflow_jax import cli, generate, speculative
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.drafters import HeadDrafter
+from jetflow_jax.errors import InputError
+from jetflow_jax.head import init_head_params
+from jetflow_jax.head_config import QWEN3_MASK_TOKEN_ID, HeadConfig
+from jetflow_jax.model import abstract_params, forward, init_params, lm_logits
+from jetflow_jax.sampling import Greedy
+from jetflow_jax.tree import build_tree, validate_tree_args
+
+IMPLS = ("xla", "pallas")
+# Targets for Qwen3-8B on one GPU (bench/gpu_step.py); printed for every preset, for reference.
+VERIFY_OVER_AR_MAX = 1.25  # verify of the largest budget (256) / AR step
+HEAD_OVER_AR_MAX = 0.08  # head forward / AR step
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A target shape, its head, and the default sweep."""
+
+  config: Qwen3Config
+  dtype: Any
+  head_layers: int
+  taps: tuple[int, ...]
+  block_size: int
+  mask_token_id: int
+  lengths: tuple[int, ...]
+  budgets: tuple[int, ...]
+  attention: tuple[str, ...]
+  repeats: int
+  needs_gpu: bool
+
+
+PRESETS = {
+    "cpu-small": Preset(
+        config=Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=768,
+                           num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64),
+        dtype=jnp.float32, head_layers=2, taps=(1, 3), block_size=16, mask_token_id=8191,
+        lengths=(256,), budgets=(16, 32, 64, 128, 256), attention=("xla",), repeats=5,
+        needs_gpu=False),
+    "qwen3-8b": Preset(
+        config=Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, rope_theta=1e6, tie_word_embeddings=False),
+        dtype=jnp.bfloat16, head_layers=5, taps=(1, 9, 17, 25, 33), block_size=16,
+        mask_token_id=QWEN3_MASK_TOKEN_ID, lengths=(1024, 4096), budgets=(16, 32, 64, 128, 256),
+        attention=("xla", "pallas"), repeats=10, needs_gpu=True),
+}
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(t) for t in text.split(",") if t.strip())
+  except ValueError:
+    raise InputError(f"{flag} must be comma-separated integers (got {text!r})") from None
+  if not values or min(values) < 1:
+    raise InputError(f"{flag} needs positive integers (got {text!r})")
+  return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+  parser.add_argument("--lengths", help="committed lengths, comma-separated (preset's default)")
+  parser.add_argument("--budgets", help="tree budgets N, comma-separated (preset's default)")
+  parser.add_argument("--attention", help="tree attention impls: xla, pallas or xla,pallas")
+  parser.add_argument("--repeats", type=int, help="timed runs per piece after one warm-up")
+  parser.add_argument("--top-k", type=int, default=7, help="candidate children per depth")
+  parser.add_argument("--loop-rounds", type=int, default=8,
+                      help="rounds R of the device-loop vs host-loop comparison")
+  parser.add_argument("--loop-budget", type=int, default=None,
+                      help="tree budget of the loops (default: largest budget <= 64)")
+  parser.add_argument("--layers", type=int, help="override the target's layer count")
+  parser.add_argument("--vocab", type=int, help="override the vocabulary size")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--compile-cache", help="persistent XLA compilation cache directory")
+  parser.add_argument("--allow-cpu", action="store_true",
+                      help="run a GPU preset on CPU anyway")
+  parser.add_argument("--out", help="JSON path (default bench/results/step_costs_<preset>.json)")
+  return parser.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything the run needs, validated."""
+
+  preset_name: str
+  config: Qwen3Config
+  head_config: HeadConfig
+  dtype: Any
+  lengths: tuple[int, ...]
+  budgets: tuple[int, ...]
+  attention: tuple[str, ...]
+  repeats: int
+  top_k: int
+  loop_rounds: int
+  loop_budget: int
+  seed: int
+  out: str
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+  """Preset defaults overridden by flags; raises InputError on anything unusable."""
+  preset = PRESETS[args.preset]
+  if preset.needs_gpu and jax.default_backend() == "cpu" and not args.allow_cpu:
+    raise InputError(f"the {args.preset} preset needs a GPU but jax's backend is cpu; install "
+                     "jax with CUDA (pip install -e '.[cuda12]') or pass --allow-cpu")
+  config = preset.config
+  if args.layers is not None:
+    config = dataclasses.replace(config, num_hidden_layers=args.layers)
+  if args.vocab is not None:
+    config = dataclasses.replace(config, vocab_size=args.vocab)
+  if config.num_hidden_layers < 2 or config.vocab_size < 2:
+    raise InputError("--layers and --vocab must be >= 2 (a head taps a layer below the last)")
+  # A shrunk target keeps as many of the preset's taps as still sit below its last layer.
+  taps = tuple(sorted({min(t, config.num_hidden_layers - 2) for t in preset.taps}))
+  mask_id = preset.mask_token_id if preset.mask_token_id < config.vocab_size else (
+      config.vocab_size - 1)
+  head_config = HeadConfig.for_target(config, num_layers=preset.head_layers,
+                                      target_layer_ids=taps, block_size=preset.block_size,
+                                      mask_token_id=mask_id)
+  head_config.validate_for(config)
+
+  lengths = parse_ints(args.lengths, "--lengths") if args.lengths else preset.lengths
+  if min(lengths) < 2:
+    raise InputError("--lengths must be >= 2 (one prompt token plus the first new one)")
+  budgets = parse_ints(args.budgets, "--budgets") if args.budgets else preset.budgets
+  attention = (tuple(a.strip() for a in args.attention.split(",") if a.strip())
+               if args.attention else preset.attention)
+  if not attention or any(a not in IMPLS for a in attention):
+    raise InputError(f"--attention must list impls from {', '.join(IMPLS)} (got "
+                     f"{args.attention!r})")
+  repeats = preset.repeats if args.repeats is None else args.repeats
+  if repeats < 1 or args.loop_rounds < 1:
+    raise InputError("--repeats and --loop-rounds must be >= 1")
+  loop_budget = args.loop_budget or max([n for n in budgets if n <= 64] or [min(budgets)])
+  for n in sorted(set(budgets) | {loop_budget}):
+    validate_tree_args(head_config.depth, config.vocab_size, n, args.top_k)
+  out = args.out or os.path.join(ROOT, "bench", "results", f"step_costs_{args.preset}.json")
+  return Plan(args.preset, config, head_config, preset.dtype, tuple(dict.fromkeys(lengths)),
+              tuple(dict.fromkeys(budgets)), tuple(dict.fromkeys(attention)), repeats,
+              args.top_k, args.loop_rounds, loop_budget, args.seed, out)
+
+
+# --- the timed functions (each jitted once per shape; compiled ahead of time below) ---
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def ar_step(target_params, state, *, config):
+  """One greedy AR step, its state donated as `generate.decode` donates it."""
+  return generate.decode_step(target_params, config, state, Greedy())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter"))
+def head_forward(head_params, target_params, drafter_state, anchor_b, context_len_b, *, config,
+                 drafter):
+  """Per-depth draft log-probs for one block, as a round computes them."""
+  return drafter.draft(head_params, target_params, config, drafter_state, anchor_b,
+                       context_len_b)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers", "impl"))
+def verify(target_params, cache, tree, context_len_b, *, config, tap_layers, impl):
+  """The round's verify: tree rows over the read-only cache, their logits, K/V and taps."""
+  hidden_bnd, tree_kv, taps_bnld = forward(
+      target_params, config, tree.tokens, positions_bt=context_len_b[:, None] + tree.depths,
+      cache=cache, cache_index_b=context_len_b, tree_mask_btt=tree.ancestor_mask,
+      tap_layers=tap_layers, impl=impl)
+  return lm_logits(target_params, config, hidden_bnd), tree_kv, taps_bnld
+
+
+round_step = jax.jit(speculative.speculative_round,
+                     static_argnames=("config", "drafter", "tree_shape", "sampler", "stop_tokens",
+                                      "impl"),
+                     donate_argnames=("state",))
+
+
+def copy_tree(tree):
+  """Fresh buffers, so a donating call leaves the original usable."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def sample_ms(call: Callable, make_args: Callable, repeats: int, per: int = 1,
+              check: Callable | None = None) -> list[float]:
+  """`repeats` timed calls (ms per `per`) after one warm-up, each on fresh inputs."""
+  out = jax.block_until_ready(call(*make_args()))
+  if check:
+    check(out)
+  del out
+  samples = []
+  for _ in range(repeats):
+    inputs = jax.block_until_ready(make_args())
+    start = time.perf_counter()
+    jax.block_until_ready(call(*inputs))
+    samples.append((time.perf_counter() - start) * 1e3 / per)
+    del inputs
+  return samples
+
+
+class Compiler:
+  """Lowers on the calling thread and compiles on a pool, so XLA's compiles overlap."""
+
+  def __init__(self, pool: concurrent.futures.Executor, bar: tqdm):
+    self.pool, self.bar, self.jobs = pool, bar, {}
+
+  def submit(self, key, lower: Callable[[], Any]):
+    """Runs `lower` here, queues its compile; returns the `Lowered` (for its output shapes)."""
+    start = time.perf_counter()
+    lowered = lower()
+    lower_s = time.perf_counter() - start
+
+    def compile_():
+      start = time.perf_counter()
+      executable = lowered.compile()
+      return executable, lower_s + time.perf_counter() - start
+
+    self.jobs[key] = self.pool.submit(compile_)
+    self.jobs[key].add_done_callback(lambda _: self.bar.update())
+    return lowered
+
+  def get(self, key):
+    """(executable, seconds of lowering + compiling)."""
+    return self.jobs[key].result()
+
+
+def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
+  """Lowers every executable of every length and submits its compile."""
+  config, head_config = plan.config, plan.head_config
+  depth = head_config.depth
+  int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  key_abs = jax.eval_shape(jax.random.key, 0)
+  drafters = {impl: HeadDrafter(head_config, plan.dtype, impl) for impl in plan.attention}
+  common = dict(config=config, sampler=Greedy(), stop_tokens=())
+  for length in plan.lengths:
+    # Room for the loops' rounds, each committing at most depth + 1 tokens, plus one spare.
+    capacity = length + (plan.loop_rounds + 1) * (depth + 1)
+    slots = capacity + depth + 1
+    prompt_abs = jax.ShapeDtypeStruct((1, length - 1), jnp.int32)
+    lengths_abs = jax.ShapeDtypeStruct((1,), jnp.int32)
+    spec_statics = dict(common, drafter=drafters[plan.attention[0]],
+                        tree_shape=speculative.TreeShape("top_n", plan.loop_budget, plan.top_k),
+                        impl=plan.attention[0])
+    spec_abs = compiler.submit((length, "spec_prefill"), lambda: speculative.prefill.lower(
+        target_abs, head_abs, prompt_abs, lengths_abs, int_scalar, key_abs, capacity=capacity,
+        **spec_statics)).out_info
+    ar_abs = compiler.submit((length, "ar_prefill"), lambda: generate.prefill.lower(
+        target_abs, config, prompt_abs, lengths_abs, int_scalar, key_abs, sampler=Greedy(),
+        cache_size=slots)).out_info
+    compiler.submit((length, "ar_step"), lambda: ar_step.lower(target_abs, ar_abs, config=config))
+    context_abs = jax.ShapeDtypeStruct((1,), jnp.int32)
+    for impl, drafter in drafters.items():
+      compiler.submit((length, f"head/{impl}"), lambda: head_forward.lower(
+          head_abs, target_abs, spec_abs.drafter_state, context_abs, context_abs, config=config,
+          drafter=drafter))
+      for n in plan.budgets:
+        tree_abs = jax.eval_shape(functools.partial(build_tree, budget=n, top_k=plan.top_k),
+                                  jax.ShapeDtypeStruct((1, depth, config.vocab_size),
+                                                       jnp.float32))
+        compiler.submit((length, f"verify/{impl}/{n}"), lambda: verify.lower(
+            target_abs, spec_abs.cache, tree_abs, context_abs, config=config,
+            tap_layers=drafter.tap_layers, impl=impl))
+        round_statics = dict(spec_statics, drafter=drafter, impl=impl,
+                             tree_shape=speculative.TreeShape("top_n", n, plan.top_k))
+        compiler.submit((length, f"round/{impl}/{n}"), lambda: round_step.lower(
+            target_abs, head_abs, spec_abs, **round_statics))
+    compiler.submit((length, "loop"), lambda: speculative.decode.lower(
+        target_abs, head_abs, spec_abs, int_scalar, **spec_statics))
+
+
+def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.random.Generator,
+                   bar: tqdm) -> dict:
+  """Prefills one committed length and times every piece; returns its JSON record."""
+  target_params, head_params = params
+  config, depth = plan.config, plan.head_config.depth
+  pieces, compile_s = {}, {}
+
+  def record(name, samples, executable=None):
+    pieces[name] = dict(ms=statistics.median(samples), samples_ms=samples,
+                        compile_s=compiler.get((length, executable or name))[1])
+    bar.update()
+
+  prompt_bt = rng.integers(0, config.vocab_size, (1, length - 1)).astype(np.int32)
+  prompt_lengths_b = np.array([length - 1], np.int32)
+  max_new = np.int32(10 * length)  # never the limit: rows stop only at capacity, out of reach
+  key = jax.random.key(plan.seed)
+  spec_prefill, compile_s["spec_prefill"] = compiler.get((length, "spec_prefill"))
+  spec_state = jax.block_until_ready(spec_prefill(target_params, head_params, prompt_bt,
+                                                  prompt_lengths_b, max_new, key))
+  ar_prefill, compile_s["ar_prefill"] = compiler.get((length, "ar_prefill"))
+  ar_state = jax.block_until_ready(ar_prefill(target_params, prompt_bt, prompt_lengths_b,
+                                              max_new, key))
+  context_len_b = spec_state.lengths_b - 1
+  anchor_b = spec_state.tokens_bs[0, context_len_b]
+
+  step = compiler.get((length, "ar_step"))[0]
+  record("ar_step", sample_ms(step, lambda: (target_params, copy_tree(ar_state)), plan.repeats))
+  trees = {}
+  for n in plan.budgets:
+    logprobs_bdv = jax.nn.log_softmax(
+        3.0 * jax.random.normal(jax.random.key(plan.seed + n), (1, depth, config.vocab_size)),
+        axis=-1)
+    tree = build_tree(logprobs_bdv, n, plan.top_k)
+    trees[n] = jax.block_until_ready(tree.replace(tokens=tree.tokens.at[:, 0].set(anchor_b)))
+  for impl in plan.attention:
+    head = compiler.get((length, f"head/{impl}"))[0]
+    record(f"head/{impl}", sample_ms(
+        head, lambda: (head_params, target_params, spec_state.drafter_state, anchor_b,
+                       context_len_b), plan.repeats))
+    for n in plan.budgets:
+      run = compiler.get((length, f"verify/{impl}/{n}"))[0]
+      record(f"verify/{impl}/{n}", sample_ms(
+          run, lambda: (target_params, spec_state.cache, trees[n], context_len_b), plan.repeats))
+      run = compiler.get((length, f"round/{impl}/{n}"))[0]
+      record(f"round/{impl}/{n}", sample_ms(
+          run, lambda: (target_params, head_params, copy_tree(spec_state)), plan.repeats))
+
+  loop = compiler.get((length, "loop"))[0]
+  rounds = plan.loop_rounds
+
+  def check_rounds(state):
+    done = int(jax.device_get(state.rounds_b)[0])
+    if done != rounds:
+      raise RuntimeError(f"the loop ran {done} rounds, not {rounds}: a row finished early")
+
+  def host_loop(target_params, head_params, state):
+    for _ in range(rounds):
+      state = loop(target_params, head_params, state, np.int32(1))
+      if jax.device_get(state.done_b).all():  # a streaming loop's sync point, every round
+        break
+    return state
+
+  fresh = lambda: (target_params, head_params, copy_tree(spec_state))
+  record("device_loop", sample_ms(lambda *a: loop(*a, np.int32(rounds)), fresh, plan.repeats,
+                                  rounds, check_rounds), "loop")
+  record("host_loop", sample_ms(host_loop, fresh, plan.repeats, rounds, check_rounds), "loop")
+  return dict(committed_length=length, cache_slots=int(spec_state.cache.size), pieces=pieces,
+              prefill_compile_s=compile_s)
+
+
+def add_ratios(plan: Plan, result: dict) -> None:
+  """Ratios and target checks of one length's pieces, added to its record."""
+  ms = {name: piece["ms"] for name, piece in result["pieces"].items()}
+  ar = ms["ar_step"]
+  ratios, targets = {}, []
+  for impl in plan.attention:
+    head = ms[f"head/{impl}"]
+    ratios[f"head/ar_step/{impl}"] = head / ar
+    for n in plan.budgets:
+      verify_ms = ms[f"verify/{impl}/{n}"]
+      ratios[f"round/(head+verify)/{impl}/{n}"] = ms[f"round/{impl}/{n}"] / (head + verify_ms)
+      ratios[f"verify/ar_step/{impl}/{n}"] = verify_ms / ar
+    top = max(plan.budgets)
+    targets.append(dict(name=f"verify N={top} / AR step", impl=impl, limit=VERIFY_OVER_AR_MAX,
+                        value=ms[f"verify/{impl}/{top}"] / ar))
+    targets.append(dict(name="head / AR step", impl=impl, limit=HEAD_OVER_AR_MAX,
+                        value=head / ar))
+  if set(IMPLS) <= set(plan.attention):
+    worst = max(plan.budgets, key=lambda n: ms[f"verify/pallas/{n}"] / ms[f"verify/xla/{n}"])
+    targets.append(dict(name=f"pallas / xla verify, worst N={worst}", impl="pallas", limit=1.0,
+                        value=ms[f"verify/pallas/{worst}"] / ms[f"verify/xla/{worst}"]))
+  for target in targets:
+    target["pass"] = target["value"] <= target["limit"]
+  result["ratios"], result["targets"] = ratios, targets
+
+
+def table(plan: Plan, result: dict) -> str:
+  """Markdown: rows are pieces, columns attention impls (AR step and loops use no tree kernel)."""
+  ms, ratios = {k: v["ms"] for k, v in result["pieces"].items()}, result["ratios"]
+  impls = plan.attention
+  rows = [("AR step (ms)", {i: ms["ar_step"] for i in impls}),
+          ("head forward (ms)", {i: ms[f"head/{i}"] for i in impls})]
+  rows += [(f"verify N={n} (ms)", {i: ms[f"verify/{i}/{n}"] for i in impls})
+           for n in plan.budgets]
+  rows += [(f"round N={n} (ms)", {i: ms[f"round/{i}/{n}"] for i in impls}) for n in plan.budgets]
+  rows += [(f"round / (head + verify) N={n}", {i: ratios[f"round/(head+verify)/{i}/{n}"]
+                                               for i in impls}) for n in plan.budgets]
+  rows += [(f"verify / AR step N={n}", {i: ratios[f"verify/ar_step/{i}/{n}"] for i in impls})
+           for n in plan.budgets]
+  rows.append(("head / AR step", {i: ratios[f"head/ar_step/{i}"] for i in impls}))
+  loop = f"N={plan.loop_budget}, R={plan.loop_rounds}"
+  rows.append((f"device loop {loop} (ms/round)", {impls[0]: ms["device_loop"]}))
+  rows.append((f"host loop {loop} (ms/round)", {impls[0]: ms["host_loop"]}))
+  lines = [f"committed length {result['committed_length']} "
+           f"(cache buffer {result['cache_slots']} slots)", "",
+           "| piece | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
+  for label, values in rows:
+    cells = [f"{values[i]:.3f}" if i in values else "" for i in impls]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  lines += ["", "targets (set for Qwen3-8B on a GPU):"]
+  for t in result["targets"]:
+    lines.append(f"- {t['name']} [{t['impl']}]: {t['value']:.3f} "
+                 f"(limit {t['limit']:g}) {'pass' if t['pass'] else 'MISS'}")
+  return "\n".join(lines)
+
+
+def run(plan: Plan) -> dict:
+  """Compiles everything, then measures every length; returns the JSON record."""
+  config, head_config = plan.config, plan.head_config
+  if "pallas" in plan.attention and jax.default_backend() == "cpu":
+    print("warning: pallas runs in interpret mode on CPU; its times say nothing about a GPU",
+          file=sys.stderr)
+  start = time.perf_counter()
+  target_key, head_key = jax.random.split(jax.random.key(plan.seed))
+  workers = min(8, max(2, (os.cpu_count() or 2) // 2))
+  num_compiles = len(plan.lengths) * (4 + len(plan.attention) * (1 + 2 * len(plan.budgets)))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
+      tqdm(total=num_compiles, desc="compile", unit="exe") as compile_bar:
+    # Params are made on the default device while the main thread lowers.
+    params_future = pool.submit(lambda: jax.block_until_ready((
+        init_params(config, target_key, plan.dtype),
+        init_head_params(head_config, head_key, plan.dtype))))
+    compiler = Compiler(pool, compile_bar)
+    target_abs = abstract_params(config, plan.dtype)
+    head_abs = jax.eval_shape(lambda: init_head_params(head_config, jax.random.key(0), plan.dtype))
+    lower_all(plan, compiler, target_abs, head_abs)
+    params = params_future.result()
+    for job in compiler.jobs.values():
+      job.result()
+    compile_wall_s = time.perf_counter() - start
+
+  measure_start = time.perf_counter()
+  rng = np.random.default_rng(plan.seed)
+  num_pieces = len(plan.lengths) * (3 + len(plan.attention) * (1 + 2 * len(plan.budgets)))
+  results = {}
+  with tqdm(total=num_pieces, desc="measure", unit="piece") as bar:
+    for length in plan.lengths:
+      results[str(length)] = measure_length(plan, compiler, length, params, rng, bar)
+      add_ratios(plan, results[str(length)])
+  device = jax.devices()[0]
+  return dict(
+      preset=plan.preset_name, backend=jax.default_backend(),
+      device=getattr(device, "device_kind", str(device)), jax_version=jax.__version__,
+      dtype=jnp.dtype(plan.dtype).name, config=dataclasses.asdict(config),
+      head_config=dataclasses.asdict(head_config), budgets=list(plan.budgets),
+      attention=list(plan.attention), repeats=plan.repeats, top_k=plan.top_k,
+      loop=dict(rounds=plan.loop_rounds, budget=plan.loop_budget, attention=plan.attention[0]),
+      compile_workers=workers, compile_wall_s=compile_wall_s,
+      measure_wall_s=time.perf_counter() - measure_start,
+      wall_s=time.perf_counter() - start, lengths=results)
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+
+  def bench():
+    plan = make_plan(args)
+    if args.compile_cache:
+      jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    record = run(plan)
+    print(f"{plan.preset_name}: {record['device']} ({record['backend']}), "
+          f"{record['dtype']}, median of {plan.repeats} after a warm-up; compile "
+          f"{record['compile_wall_s']:.1f} s on {record['compile_workers']} threads, "
+          f"measure {record['measure_wall_s']:.1f} s")
+    for length in plan.lengths:
+      print()
+      print(table(plan, record["lengths"][str(length)]))
+    os.makedirs(os.path.dirname(os.path.abspath(plan.out)), exist_ok=True)
+    with open(plan.out, "w") as f:
+      json.dump(record, f, indent=1, default=str)
+    print(f"\nwrote {plan.out}")
+
+  cli.run(bench)
+
+
+if __name__ == "__main__":
+  main()

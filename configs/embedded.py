@@ -1,0 +1,40 @@
+"""The embedded pair's draft heads, trained on the embedded target's own continuations.
+
+  python train.py --config=configs/embedded.py:jetflow --workdir=runs/embedded/head_jetflow
+  python train.py --config=configs/embedded.py:dflash --workdir=runs/embedded/head_dflash
+
+Both heads read the same regenerated data (`data.regenerated`), made once from
+`data.prompts` (`python -m jetflow_jax.embedded.prompts`); scripts/build_embedded.sh
+runs the whole pipeline. Same size, data and steps: only the in-block mask differs.
+"""
+
+from jetflow_jax import embedded
+from jetflow_jax.train.defaults import base_config
+
+
+def get_config(arg: str | None = "jetflow"):
+  if arg not in ("jetflow", "dflash"):
+    raise ValueError(f"configs/embedded.py takes :jetflow or :dflash (got {arg!r})")
+  c = base_config()
+  c.target.checkpoint = embedded.TARGET_DIR
+  c.target.dtype = "float32"
+  # 2 layers at a third of the target's MLP width: under 15% of its non-embedding params.
+  c.head.num_layers = 2
+  c.head.intermediate_size = 256
+  c.head.target_layer_ids = (1, 5)
+  c.head.block_size = 16
+  c.head.mask_token_id = 1  # <|mask|> in the embedded tokenizer
+  c.head.causal = arg == "jetflow"
+  c.head.dtype = "float32"
+  c.data.prompts = "runs/embedded/prompts.jsonl"
+  c.data.regenerated = "runs/embedded/regenerated.jsonl"
+  c.data.seq_len = 304
+  c.data.max_new_tokens = 256
+  c.data.regenerate_batch_size = 64
+  c.train.batch_size = 16
+  c.train.num_anchors = 48
+  c.train.lr = 2e-3
+  c.train.epochs = 3
+  c.train.log_every = 20
+  c.train.checkpoint_every = 200
+  return c

@@ -1,0 +1,109 @@
+"""Compare AR, DFlash (chain), DDTree and JetFlow on one prompt set, measured in one run.
+
+  python -m jetflow_jax.bench                               # embedded pair, HumanEval, all cells
+  python -m jetflow_jax.bench --limit 2 --budgets 16        # a quick check
+  python -m jetflow_jax.bench --checkpoint Qwen3-8B --head jetflow-head --dflash-head dflash-head \
+      --dataset jsonl:math500.jsonl --chat --max-new-tokens 1024
+
+Writes results.json, results.md and results.png (tau and speedup against budget) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tqdm
+
+from jetflow_jax import cli, embedded
+from jetflow_jax.bench import report
+from jetflow_jax.bench.datasets import DATASETS, load_prompts
+from jetflow_jax.bench.run import SPECULATIVE, run_benchmark, runs_per_benchmark, transformers_peer
+from jetflow_jax.checkpoint import load_qwen3
+from jetflow_jax.errors import InputError
+from jetflow_jax.head_checkpoint import load_head
+from jetflow_jax.text import encode_prompt, load_tokenizer
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+  parser.add_argument("--checkpoint", help="target (default: the embedded one)")
+  parser.add_argument("--head", help="causal JetFlow head (default: the embedded one)")
+  parser.add_argument("--dflash-head", help="bidirectional head for dflash and ddtree "
+                      "(default: the embedded one)")
+  parser.add_argument("--dataset", default="humaneval", help=" | ".join(DATASETS))
+  parser.add_argument("--limit", type=int, default=0, help="first N prompts only")
+  parser.add_argument("--methods", default="ar,dflash,ddtree,jetflow")
+  parser.add_argument("--budgets", default="16,32,64,128,256")
+  parser.add_argument("--temperatures", default="0,1")
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  parser.add_argument("--top-k", type=int, default=7)
+  parser.add_argument("--chat", action="store_true", help="chat-template the prompts")
+  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
+  parser.add_argument("--dtype", default="auto")
+  parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+  parser.add_argument("--out", default="bench/results/latest")
+  return parser.parse_args(argv)
+
+
+def parse_list(text: str, kind, flag: str):
+  try:
+    return [kind(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise InputError(f"{flag} must be a comma-separated list (got {text!r})") from None
+
+
+def main(argv=None):
+  args = parse_args(argv)
+
+  def bench():
+    methods = parse_list(args.methods, str, "--methods")
+    if unknown := [m for m in methods if m not in ("ar",) + SPECULATIVE]:
+      raise InputError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE)}")
+    budgets = parse_list(args.budgets, int, "--budgets")
+    temperatures = parse_list(args.temperatures, float, "--temperatures")
+    dtype = cli.parse_dtype(args.dtype)
+    checkpoint = args.checkpoint or embedded.default_target()
+    config, params = load_qwen3(checkpoint, dtype)
+    head_paths = {"jetflow": args.head or embedded.default_head("jetflow"),
+                  "dflash": args.dflash_head or embedded.default_head("dflash")}
+    heads = {}
+    for method in methods:
+      path = head_paths["jetflow" if method == "jetflow" else "dflash"]
+      if method != "ar":
+        if path is None:
+          raise InputError(f"method {method} needs a head: pass --head / --dflash-head")
+        heads[method] = load_head(path, dtype)
+    raw_prompts = load_prompts(args.dataset)[:args.limit or None]
+    if not raw_prompts:
+      raise InputError(f"dataset {args.dataset} holds no prompt")
+    tokenizer = None
+    if any(isinstance(p, str) for p in raw_prompts):
+      tokenizer = load_tokenizer(checkpoint)
+    prompts = [encode_prompt(tokenizer, p, args.chat) if isinstance(p, str) else p
+               for p in raw_prompts]
+
+    total = runs_per_benchmark(methods, budgets, temperatures, len(prompts))
+    with tqdm.tqdm(total=total, desc="bench", unit="decode") as bar:
+      cells, greedy_ar_tokens = run_benchmark(params, config, heads, prompts, methods=methods, budgets=budgets,
+                            temperatures=temperatures, max_new_tokens=args.max_new_tokens,
+                            top_k=args.top_k, attention=args.attention, on_run=lambda: bar.update())
+    peer = None
+    greedy_ar = next((c for c in cells if c.method == "ar" and c.temperature == 0), None)
+    if not args.no_peer and greedy_ar is not None:
+      peer_tokens, peer_wall = transformers_peer(checkpoint, prompts, args.max_new_tokens,
+                                                 config.eos_token_ids)
+      peer = {"tokens_per_s": sum(map(len, peer_tokens)) / peer_wall,
+              "speedup": greedy_ar.wall_s / peer_wall,
+              "identical_to_ar": peer_tokens == greedy_ar_tokens}
+    settings = dict(vars(args), checkpoint=checkpoint, num_prompts=len(prompts),
+                    title=f"{args.dataset}, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+    paths = report.write(args.out, cells, settings, peer)
+    print(report.markdown_table(cells, peer))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+
+  cli.run(bench)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,67 @@
+"""Benchmark results as a markdown table, JSON and a plot of tau and speedup against budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+
+def markdown_table(cells, peer: dict | None = None) -> str:
+  lines = ["| T | method | budget | tau | target forwards | tokens/s | speedup vs AR | = AR |",
+           "|---|---|---|---|---|---|---|---|"]
+  for c in cells:
+    same = {None: "", True: "yes", False: "**no**"}[c.identical_to_ar]
+    lines.append(f"| {c.temperature:g} | {c.method} | {c.budget} | {c.tau:.2f} | "
+                 f"{c.num_target_forwards} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | {same} |")
+  if peer:
+    same = "yes" if peer["identical_to_ar"] else "**no**"
+    lines.append(f"| 0 | transformers generate | - | 1.00 | - | {peer['tokens_per_s']:.1f} | "
+                 f"{peer['speedup']:.2f}x | {same} |")
+  return "\n".join(lines)
+
+
+def write(out_dir: str, cells, settings: dict, peer: dict | None = None) -> dict[str, str]:
+  """Writes results.json, results.md and (with matplotlib) results.png; returns their paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {"json": os.path.join(out_dir, "results.json"),
+           "markdown": os.path.join(out_dir, "results.md")}
+  with open(paths["json"], "w") as f:
+    json.dump({"settings": settings, "cells": [dataclasses.asdict(c) for c in cells],
+               "transformers_peer": peer}, f, indent=1)
+  with open(paths["markdown"], "w") as f:
+    f.write(markdown_table(cells, peer) + "\n")
+  try:
+    plot_path = os.path.join(out_dir, "results.png")
+    plot(cells, plot_path, title=settings.get("title", ""))
+    paths["plot"] = plot_path
+  except ImportError:
+    pass
+  return paths
+
+
+def plot(cells, path: str, title: str = ""):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  temperatures = sorted({c.temperature for c in cells})
+  fig, axes = plt.subplots(2, len(temperatures), figsize=(5 * len(temperatures), 7),
+                           squeeze=False)
+  for column, temperature in enumerate(temperatures):
+    for row, metric in enumerate(("tau", "speedup")):
+      ax = axes[row, column]
+      for method in ("dflash", "ddtree", "jetflow"):
+        points = sorted((c.budget, getattr(c, metric)) for c in cells
+                        if c.method == method and c.temperature == temperature)
+        if points:
+          ax.plot(*zip(*points), marker="o", label=method)
+      ax.axhline(1.0, color="grey", linestyle=":", label="AR")
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("tree budget (nodes)")
+      ax.set_ylabel("tau (tokens / target forward)" if metric == "tau" else "speedup over AR")
+      ax.set_title(f"T = {temperature:g}")
+      ax.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Rebuilds the embedded default pair from the CPython standard library, on CPU, resumably:
+# re-running continues each step from where it stopped (checkpoints live in $WORK).
+#   1. BPE tokenizer + pre-trained target   (jetflow_jax.embedded.pretrain)
+#   2. snippet prompts from held-in files   (jetflow_jax.embedded.prompts)
+#   3. the target's own continuations and the two heads (train.py, configs/embedded.py)
+# Finished checkpoints land in jetflow_jax/embedded/checkpoints/ (bfloat16).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WORK=${WORK:-runs/embedded}
+OUT=jetflow_jax/embedded/checkpoints
+TOKENS=${TOKENS:-12e6}
+HEAD_STEPS=${HEAD_STEPS:-0}  # 0: configs/embedded.py's epochs
+
+mkdir -p "$WORK"
+if [ ! -f "$OUT/target/model.safetensors" ]; then
+  # One torch thread: measured faster than two whenever anything else shares the 2 cores.
+  OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain --workdir "$WORK/pretrain" \
+      --out "$OUT/target" --tokens "$TOKENS" --bf16 --compile --threads 1
+fi
+[ -f "$WORK/prompts.jsonl" ] || $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" \
+    --out "$WORK/prompts.jsonl" --count 4000
+for kind in jetflow dflash; do
+  $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
+      --config.data.prompts="$WORK/prompts.jsonl" \
+      --config.data.regenerated="$WORK/regenerated.jsonl" --config.train.num_steps=$HEAD_STEPS
+  rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
+done
