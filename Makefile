@@ -23,8 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 
 decode: $(STAMP)
-	@test -n "$(CHECKPOINT)" || { echo "usage: make decode CHECKPOINT=DIR [PROMPT='...'] [ARGS='--chat --max-new-tokens 128']"; exit 2; }
-	$(BIN)/python decode.py --checkpoint "$(CHECKPOINT)" --prompt "$(PROMPT)" $(ARGS)
+	$(BIN)/python decode.py $(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") --prompt "$(PROMPT)" $(ARGS)
 
 train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)

@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from jetflow_jax import cli
+from jetflow_jax import cli, embedded
 from jetflow_jax.checkpoint import load_qwen3
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import check_context_window
@@ -25,7 +25,8 @@ from jetflow_jax.text import encode_prompt, load_tokenizer
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--checkpoint", required=True, help="target checkpoint directory")
+  parser.add_argument("--checkpoint", help="target checkpoint directory (default: the embedded "
+                      "model, with its JetFlow head)")
   parser.add_argument("--head", help="draft head: reference-layout directory or training workdir")
   parser.add_argument("--method", choices=METHODS,
                       help="default: jetflow with a --head, ar without")
@@ -87,12 +88,15 @@ def main(argv=None) -> None:
   def decode():
     if args.batch_size < 1:
       raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
-    method = args.method or ("jetflow" if args.head else "ar")
     sampler = make_sampler(args.temperature, args.sample_top_k, args.top_p)
     dtype = cli.parse_dtype(args.dtype)
-    config, params = load_qwen3(args.checkpoint, dtype)
-    head_config, head_params = load_head(args.head, dtype) if args.head else (None, None)
-    prompts, tokenizer = read_prompts(args, args.checkpoint)
+    checkpoint, head = args.checkpoint, args.head
+    if checkpoint is None:
+      checkpoint, head = embedded.default_target(), head or embedded.default_head("jetflow")
+    method = args.method or ("jetflow" if head else "ar")
+    config, params = load_qwen3(checkpoint, dtype)
+    head_config, head_params = load_head(head, dtype) if head else (None, None)
+    prompts, tokenizer = read_prompts(args, checkpoint)
     if bad := [t for p in prompts for t in p if not 0 <= t < config.vocab_size]:
       raise InputError(f"prompt token ids out of range [0, {config.vocab_size}): {bad[:10]}")
     if not args.allow_long_context:

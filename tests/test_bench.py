@@ -38,3 +38,4 @@ def test_quick_benchmark_writes_results(make_checkpoint, tmp_path):
   assert cells[("dflash", 0.0)]["budget"] == 5 and cells[("jetflow", 0.0)]["budget"] == 16
   assert record["transformers_peer"]["identical_to_ar"] is True
   assert "| 0 | jetflow | 16 |" in done.stdout and (out / "results.md").exists()
+  assert (out / "results.png").stat().st_size > 1000
