@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from jetflow_jax import cli, embedded
+from jetflow_jax import cli, embedded, hub
 from jetflow_jax.checkpoint import load_qwen3
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import check_context_window
@@ -25,9 +25,10 @@ from jetflow_jax.text import encode_prompt, load_tokenizer
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--checkpoint", help="target checkpoint directory (default: the embedded "
+  parser.add_argument("--checkpoint", help="target: directory or hub id (default: the embedded "
                       "model, with its JetFlow head)")
-  parser.add_argument("--head", help="draft head: reference-layout directory or training workdir")
+  parser.add_argument("--head", help="draft head: reference-layout directory or hub id, or a "
+                      "training workdir")
   parser.add_argument("--method", choices=METHODS,
                       help="default: jetflow with a --head, ar without")
   parser.add_argument("--budget", type=int, default=64, help="tree nodes, root included")
@@ -94,6 +95,7 @@ def main(argv=None) -> None:
     if checkpoint is None:
       checkpoint, head = embedded.default_target(), head or embedded.default_head("jetflow")
     method = args.method or ("jetflow" if head else "ar")
+    checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
     config, params = load_qwen3(checkpoint, dtype)
     head_config, head_params = load_head(head, dtype) if head else (None, None)
     prompts, tokenizer = read_prompts(args, checkpoint)

@@ -9,7 +9,7 @@ import shutil
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jetflow_jax import hf_params
+from jetflow_jax import hf_params, hub
 from jetflow_jax.config import Qwen3Config, load_config
 from jetflow_jax.errors import CheckpointError
 from jetflow_jax.model import abstract_params
@@ -31,9 +31,10 @@ def load_qwen3(path: str, dtype=jnp.float32) -> tuple[Qwen3Config, dict]:
 
   `path` is either a HF directory (`config.json` + `model.safetensors` or
   sharded files with `model.safetensors.index.json`) or a directory written by
-  `python -m jetflow_jax.convert`. Params are cast to `dtype`.
+  `python -m jetflow_jax.convert`, or a Hugging Face repo id (`Qwen/Qwen3-8B[@rev]`,
+  resolved through the hub cache). Params are cast to `dtype`.
   """
-  path = os.path.abspath(os.path.expanduser(path))
+  path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   config = load_config(path)
   abstract = abstract_params(config, dtype)
   if is_converted(path):

@@ -9,7 +9,7 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 
-from jetflow_jax import hf_params
+from jetflow_jax import hf_params, hub
 from jetflow_jax.config import read_config_json
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import HeadConfig
@@ -58,9 +58,9 @@ def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
 
   `path` is a reference-layout HF directory (JetSpec / DFlash heads, or ours
   exported with `save_hf_head`) or a training workdir of `train.py` (its
-  latest checkpoint).
+  latest checkpoint), or a Hugging Face repo id (`JetSpec/jetspec-qwen3-8b[@rev]`).
   """
-  path = os.path.abspath(os.path.expanduser(path))
+  path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   if (config := workdir_head_config(path)) is not None:
     params = restore_head_params(path, abstract_head_params(config, jnp.float32))
     return config, cast(params, dtype)

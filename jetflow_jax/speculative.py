@@ -47,9 +47,6 @@ class TreeShape:
   budget: int = 0  # nodes, root included (top_n only)
   top_k: int = 0  # candidate children per depth (top_n only)
 
-  def num_nodes(self, depth: int) -> int:
-    return depth + 1 if self.kind == "chain" else self.budget
-
   def __call__(self, depth_logprobs_bdv) -> DraftTree:
     if self.kind == "chain":
       return chain_tree(depth_logprobs_bdv)

@@ -104,9 +104,9 @@ def ar_greedy(config, params, prompts, max_new_tokens, stop_tokens=()):
   return generate(params, config, prompts, max_new_tokens, stop_tokens=stop_tokens).tokens
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 9), ("jetflow", 4),
-                                           ("jetflow", 23)])
-@pytest.mark.parametrize("head_kind", ["untrained", "trained"])
+@pytest.mark.parametrize("method,budget,head_kind", [
+    ("dflash", 0, "untrained"), ("ddtree", 9, "untrained"), ("jetflow", 23, "untrained"),
+    ("dflash", 0, "trained"), ("jetflow", 4, "trained"), ("jetflow", 23, "trained")])
 def test_greedy_equals_ar(target, trained_head, method, budget, head_kind):
   config, params = target
   if head_kind == "trained":

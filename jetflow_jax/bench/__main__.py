@@ -15,7 +15,7 @@ import sys
 
 import tqdm
 
-from jetflow_jax import cli, embedded
+from jetflow_jax import cli, embedded, hub
 from jetflow_jax.bench import report
 from jetflow_jax.bench.datasets import DATASETS, load_prompts
 from jetflow_jax.bench.run import SPECULATIVE, run_benchmark, runs_per_benchmark, transformers_peer
@@ -63,7 +63,7 @@ def main(argv=None):
     budgets = parse_list(args.budgets, int, "--budgets")
     temperatures = parse_list(args.temperatures, float, "--temperatures")
     dtype = cli.parse_dtype(args.dtype)
-    checkpoint = args.checkpoint or embedded.default_target()
+    checkpoint = hub.resolve(args.checkpoint) if args.checkpoint else embedded.default_target()
     config, params = load_qwen3(checkpoint, dtype)
     head_paths = {"jetflow": args.head or embedded.default_head("jetflow"),
                   "dflash": args.dflash_head or embedded.default_head("dflash")}
