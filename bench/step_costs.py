@@ -292,7 +292,7 @@ def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
                         impl=plan.attention[0])
     spec_abs = compiler.submit((length, "spec_prefill"), lambda: speculative.prefill.lower(
         target_abs, head_abs, prompt_abs, lengths_abs, int_scalar, key_abs, capacity=capacity,
-        **spec_statics)).out_info
+        **common, drafter=spec_statics["drafter"])).out_info
     ar_abs = compiler.submit((length, "ar_prefill"), lambda: generate.prefill.lower(
         target_abs, config, prompt_abs, lengths_abs, int_scalar, key_abs, sampler=Greedy(),
         cache_size=slots)).out_info

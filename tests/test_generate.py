@@ -92,4 +92,7 @@ def test_streaming_yields_the_same_tokens(make_checkpoint, rng):
   streamed = generate(params, config, [prompt], 20, on_tokens=lambda t: seen.append(t[0]),
                       stream_every=4)
   assert streamed.tokens == generate(params, config, [prompt], 20).tokens
-  assert [len(s) for s in seen] == [1, 5, 9, 13, 17, 20]
+  # Chunks start at 4 steps and grow while they are quick; every view extends the last one.
+  lengths = [len(s) for s in seen]
+  assert lengths[:2] == [1, 5] and lengths[-1] == 20 and lengths == sorted(set(lengths))
+  assert all(s == seen[-1][:len(s)] for s in seen)

@@ -175,12 +175,12 @@ def test_cache_and_head_context_after_rounds_equal_ar_and_append_context(target,
   config, params = target
   head, head_params = trained_head
   drafter = HeadDrafter(head)
-  statics = dict(config=config, drafter=drafter, tree_shape=spec.TreeShape("top_n", 12, 3),
-                 sampler=Greedy(), stop_tokens=(), impl="xla")
+  statics = dict(config=config, drafter=drafter, sampler=Greedy(), stop_tokens=())
   prompt_bt, lengths_b = spec.pad_prompts(PROMPTS, 64)
   state = spec.prefill(params, head_params, prompt_bt, lengths_b, 40, jax.random.key(0),
                        capacity=64, **statics)
-  state = spec.decode(params, head_params, state, 3, **statics)
+  state = spec.decode(params, head_params, state, 3, tree_shape=spec.TreeShape("top_n", 12, 3),
+                      impl="xla", **statics)
   tokens, lengths = np.asarray(state.tokens_bs), np.asarray(state.lengths_b)
   assert (lengths - lengths_b > 3).any()  # some round accepted draft tokens
   for b in range(3):

@@ -138,5 +138,7 @@ def test_sharded_step_equals_single_device_step(tiny_setup):
   (single, single_metrics), (sharded, sharded_metrics) = results
   assert len(sharded.head_params["fc"]["kernel"].sharding.device_set) == 4
   np.testing.assert_allclose(sharded_metrics["loss"], single_metrics["loss"], rtol=1e-5)
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+  # Sharded reductions sum in another order; Adam turns a near-zero gradient's rounding into
+  # an update difference of up to a few percent of lr (1e-3), hence atol 2e-5.
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=2e-5),
                sharded.head_params, single.head_params)
