@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= Write a short poem about the sea.
-ARGS ?= --chat --max-new-tokens 128
+PROMPT ?= def fibonacci(n):
+ARGS ?= --max-new-tokens 128
 
 CONFIG ?= configs/tiny.py
 WORKDIR ?= runs/tiny

@@ -91,9 +91,10 @@ def main(argv=None) -> None:
       raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
     sampler = make_sampler(args.temperature, args.sample_top_k, args.top_p)
     dtype = cli.parse_dtype(args.dtype)
-    checkpoint, head = args.checkpoint, args.head
-    if checkpoint is None:
+    checkpoint, head, compare_ar = args.checkpoint, args.head, args.compare_ar
+    if checkpoint is None:  # the embedded pair, and what its head buys on this prompt
       checkpoint, head = embedded.default_target(), head or embedded.default_head("jetflow")
+      compare_ar = compare_ar or head is not None
     method = args.method or ("jetflow" if head else "ar")
     checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
     config, params = load_qwen3(checkpoint, dtype)
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     if len(prompts) > 1:
       summary["rows"] = [{"token_ids": t, "tau": round(result.row_tau(b), 4)}
                          for b, t in enumerate(result.tokens)]
-    if args.compare_ar:
+    if compare_ar:
       ar = run("ar")
       summary.update(ar_wall_s=round(ar.wall_s, 4), speedup=round(ar.wall_s / result.wall_s, 3),
                      identical_to_ar=ar.tokens == result.tokens)
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
       line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, "
               f"{result.num_target_forwards} target forwards, tau {summary['tau']}, "
               f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
-      if args.compare_ar:
+      if compare_ar:
         line += (f"; {summary['speedup']}x over AR, "
                  f"{'identical to' if summary['identical_to_ar'] else 'differs from'} AR")
       print(line + "]", file=sys.stderr)

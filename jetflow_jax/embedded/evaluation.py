@@ -62,7 +62,18 @@ def export(model, tokenizer, out_dir: str, heldout_ids: np.ndarray, workdir: str
   quality["num_params"] = sum(p.numel() for p in model.parameters())
   print(json.dumps(quality), flush=True)
   model.to(torch.bfloat16).save_pretrained(out_dir)
-  tokenizer.save_pretrained(out_dir)
+  save_tokenizer(tokenizer, out_dir)
   for path in (os.path.join(out_dir, "quality.json"), os.path.join(workdir, "quality.json")):
     with open(path, "w") as f:
       json.dump(quality, f, indent=1)
+
+
+def save_tokenizer(tokenizer, out_dir: str):
+  """`save_pretrained`, naming the class transformers 4.x knows too (5.x writes its own name)."""
+  tokenizer.save_pretrained(out_dir)
+  path = os.path.join(out_dir, "tokenizer_config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["tokenizer_class"] = "PreTrainedTokenizerFast"
+  with open(path, "w") as f:
+    json.dump(config, f, indent=2)

@@ -128,7 +128,7 @@ def main():
   _truncate_metrics(metrics_path, step)
   if args.export_only:
     model.to(torch.bfloat16).save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    evaluation.save_tokenizer(tokenizer, args.out)
     print(f"exported step {step} to {args.out}")
     return
   num_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,47 @@
+"""The embedded target: loads in our code and in transformers, and they decode alike."""
+
+import jax
+import numpy as np
+import torch
+
+import jetflow_jax
+from jetflow_jax import embedded
+from jetflow_jax.embedded import corpus
+from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
+from jetflow_jax.generate import generate
+
+
+def test_held_out_files_are_never_training_files():
+  train, heldout = corpus.split_files()
+  assert len(heldout) == len(corpus.HELDOUT_FILES) and not set(train) & set(heldout)
+  assert len(train) > 500 and all(f.endswith(".py") for f in train)
+
+
+def test_distinct_ngram_ratio():
+  assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
+  assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams
+  assert distinct_ngram_ratio([1, 2]) == 0.0
+
+
+def test_shipped_target_loads_in_ours_and_transformers_and_decodes_alike():
+  from transformers import AutoTokenizer, Qwen3ForCausalLM
+  directory = embedded.default_target()
+  tokenizer = AutoTokenizer.from_pretrained(directory)
+  assert tokenizer.convert_tokens_to_ids("<|mask|>") == 1 and tokenizer.eos_token_id == 0
+  assert len(tokenizer) == 8192
+  config, params = jetflow_jax.load_qwen3(directory)
+  assert config.num_hidden_layers >= 6 and config.vocab_size == 8192
+  count = sum(x.size for x in jax.tree.leaves(params))
+  assert 8e6 <= count <= 15e6
+
+  prompt = tokenizer.encode("def fibonacci(n):\n", add_special_tokens=False)
+  ours = generate(params, config, [prompt], 16, stop_tokens=()).tokens[0]
+  model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    logits = model(torch.tensor([prompt])).logits.numpy()
+  assert ours == theirs
+  np.testing.assert_allclose(jetflow_jax.qwen3_forward(params, config, [prompt]), logits,
+                             atol=1e-3, rtol=0)
+
