@@ -18,10 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jetflow_jax.attention import AttentionImpl
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.attention import AttentionImpl
 from jetflow_jax.masks import in_block_mask, training_mask
 from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
                                write_rows)
