@@ -11,13 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jetflow_jax.sampling import Sampler
 from jetflow_jax.tree import DraftTree
-
-
-def target_choices(sampler: Sampler, rng: jax.Array, logits_bnv: jax.Array) -> jax.Array:
-  """The target's next token after each node `[B, N]`: argmax, or one draw per node."""
-  return sampler(rng, logits_bnv)
 
 
 def accepted_nodes(tree: DraftTree, choices_bn: jax.Array) -> jax.Array:

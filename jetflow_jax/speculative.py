@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.accept import accept, target_choices
+from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.drafters import Drafter, HeadDrafter
 from jetflow_jax.errors import InputError
@@ -112,7 +112,7 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
     logits_bnv = lm_logits(target_params, config, hidden_bnd)
   with jax.named_scope("accept"):
     rng, draw = jax.random.split(state.rng)
-    choices_bn = target_choices(sampler, draw, logits_bnv)
+    choices_bn = sampler(draw, logits_bnv)  # argmax, or one independent draw per node
     path_bd, accepted_depth_b, emitted_bd = accept(tree, choices_bn, drafter.depth)
     count_b, hit_stop_b = _commit_count(state, emitted_bd, accepted_depth_b, stop_tokens)
 
