@@ -105,16 +105,35 @@ def decode_step(target_params, config: Qwen3Config, state: DecodeState, sampler:
 def decode(target_params, config: Qwen3Config, state: DecodeState, max_steps, *,
            sampler: Sampler, stop_tokens: tuple[int, ...] = ()) -> DecodeState:
   """Up to `max_steps` decode steps (traced), stopping early once every row is done."""
+  return steps_until_done(lambda s: decode_step(target_params, config, s, sampler, stop_tokens),
+                          state, max_steps)
+
+
+def steps_until_done(step: Callable, state, max_steps):
+  """`state = step(state)` in one `lax.while_loop`, at most `max_steps` times or until every
+  row's `done_b` is set."""
 
   def cond(carry):
-    step, s = carry
-    return (step < max_steps) & ~jnp.all(s.done_b)
+    count, s = carry
+    return (count < max_steps) & ~jnp.all(s.done_b)
 
   def body(carry):
-    step, s = carry
-    return step + 1, decode_step(target_params, config, s, sampler, stop_tokens)
+    count, s = carry
+    return count + 1, step(s)
 
   return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+
+def default_cache_size(config: Qwen3Config, prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int) -> int:
+  """A power of two that fits the longest prompt plus `max_new_tokens` (fewer recompiles)."""
+  needed = max((len(p) for p in prompts), default=0) + max_new_tokens
+  return bucket_length(needed, max(config.max_position_embeddings, needed))
+
+
+def stop_tokens_for(config: Qwen3Config, stop_tokens: Sequence[int] | None) -> tuple[int, ...]:
+  """The given stop tokens, or the config's EOS ids."""
+  return tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
 
 
 @dataclasses.dataclass
@@ -187,11 +206,9 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-  longest = max((len(p) for p in prompts), default=0)
-  needed = longest + max_new_tokens
   if cache_size is None:
-    cache_size = bucket_length(needed, max(config.max_position_embeddings, needed))
-  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+    cache_size = default_cache_size(config, prompts, max_new_tokens)
+  stop = stop_tokens_for(config, stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
   start = time.perf_counter()
   dtype = params_dtype(target_params)

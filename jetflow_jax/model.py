@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jetflow_jax.attention import AttentionImpl, apply_rope, attention, causal_mask
-from jetflow_jax.kernels import tree_attention
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.kernels import tree_attention
 
 Dtype = Any
 
@@ -84,6 +84,7 @@ class Attention(nn.Module):
     if tree_mask_btt is not None:
       out_btnh = tree_attention(q_btnh, kv[0], kv[1], cache_index_b, k_btkh.astype(self.dtype),
                                 v_btkh.astype(self.dtype), tree_mask_btt, impl=self.impl,
+                                # Pallas has no CPU backend; there it runs interpreted.
                                 interpret=jax.default_backend() == "cpu")
       return self.o_proj(out_btnh), (k_btkh, v_btkh)
     if kv is not None:
@@ -280,20 +281,18 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   slots_bt = cache_index_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
   if positions_bt is None:
     positions_bt = slots_bt
+  if tree_mask_btt is not None and cache is None:
+    raise ValueError("tree_mask_btt needs the cache it reads")
   if tree_mask_btt is not None:
-    if cache is None:
-      raise ValueError("tree_mask_btt needs the cache it reads")
-    return Qwen3(config, dtype=dtype or params_dtype(params), impl=impl).apply(
-        {"params": params}, tokens_bt, positions_bt, cache, cache_index_b, None,
-        tuple(tap_layers), tree_mask_btt)
-  if mask_bts is None and cache is None:
+    mask_bts = None  # the cache prefix and the tree mask say it all
+  elif mask_bts is None and cache is None:
     mask_bts = causal_mask(jnp.broadcast_to(jnp.arange(length), (batch, length)), length)
   elif mask_bts is None:
     mask_bts = causal_mask(slots_bt, cache.size)
   dtype = dtype or params_dtype(params)
   model = Qwen3(config, dtype=dtype, impl=impl)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
-                     tuple(tap_layers))
+                     tuple(tap_layers), tree_mask_btt)
 
 
 def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = None):

@@ -31,8 +31,8 @@ from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.drafters import Drafter, HeadDrafter
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import (bucket_length, generate, is_stop, new_tokens, pad_prompts,
-                                  run_loop)
+from jetflow_jax.generate import (default_cache_size, generate, is_stop, new_tokens, pad_prompts,
+                                  run_loop, steps_until_done, stop_tokens_for)
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype, write_rows
 from jetflow_jax.sampling import Greedy, Sampler
@@ -60,7 +60,6 @@ class SpecState:
   tokens_bs: jax.Array  # committed tokens (prompt included), junk past lengths_b
   lengths_b: jax.Array
   max_lengths_b: jax.Array  # a row stops once it holds this many tokens
-  capacity: jax.Array  # committed tokens a row may hold at most (cache size), scalar
   done_b: jax.Array
   cache: KVCache  # target K/V
   drafter_state: Any
@@ -68,6 +67,12 @@ class SpecState:
   num_forwards: jax.Array  # target forward passes so far, prefill included (scalar)
   rounds_b: jax.Array  # rounds each row took part in
   committed_br: jax.Array  # tokens committed by row b in its round r (bonus included)
+
+  @property
+  def capacity(self) -> int:
+    """Committed tokens a row may hold at most: every live round commits one or more, so
+    `committed_br` has one column per possible round."""
+    return self.committed_br.shape[1]
 
 
 def _take_rows(x_bn, index_bm):
@@ -127,8 +132,8 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
     tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
     lengths_b = state.lengths_b + count_b
     live_b = ~state.done_b
-    committed_br = state.committed_br.at[rows, state.rounds_b].set(
-        jnp.where(live_b, count_b, state.committed_br[rows, state.rounds_b]))
+    # A finished row writes its 0 into the column after its last round, which is never read.
+    committed_br = state.committed_br.at[rows, state.rounds_b].set(count_b)
     done_b = (state.done_b | hit_stop_b | (lengths_b >= state.max_lengths_b)
               | (lengths_b >= state.capacity))
   return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, done_b=done_b, cache=cache,
@@ -158,8 +163,8 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_
   max_lengths_b = prompt_lengths_b + max_new_tokens
   done_b = is_stop(first_b, stop_tokens) | (lengths_b >= max_lengths_b) | (lengths_b >= capacity)
   return SpecState(
-      tokens_bs=tokens_bs, lengths_b=lengths_b, max_lengths_b=max_lengths_b,
-      capacity=jnp.asarray(capacity, jnp.int32), done_b=done_b, cache=cache,
+      tokens_bs=tokens_bs, lengths_b=lengths_b, max_lengths_b=max_lengths_b, done_b=done_b,
+      cache=cache,
       drafter_state=drafter.init_state(drafter_params, target_params, taps_btld, slots),
       rng=rng, num_forwards=jnp.ones((), jnp.int32), rounds_b=jnp.zeros((batch,), jnp.int32),
       committed_br=jnp.zeros((batch, capacity), jnp.int32))
@@ -172,19 +177,10 @@ def decode(target_params, drafter_params, state: SpecState, max_rounds, *, confi
            drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
            stop_tokens: tuple[int, ...], impl: str) -> SpecState:
   """Up to `max_rounds` rounds (traced) in one `lax.while_loop`, until every row is done."""
-  round_fn = functools.partial(speculative_round, config=config, drafter=drafter,
-                               tree_shape=tree_shape, sampler=sampler, stop_tokens=stop_tokens,
-                               impl=impl)
-
-  def cond(carry):
-    step, s = carry
-    return (step < max_rounds) & ~jnp.all(s.done_b)
-
-  def body(carry):
-    step, s = carry
-    return step + 1, round_fn(target_params, drafter_params, s)
-
-  return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+  round_fn = functools.partial(speculative_round, target_params, drafter_params, config=config,
+                               drafter=drafter, tree_shape=tree_shape, sampler=sampler,
+                               stop_tokens=stop_tokens, impl=impl)
+  return steps_until_done(round_fn, state, max_rounds)
 
 
 METHODS = ("ar", "dflash", "ddtree", "jetflow")
@@ -272,14 +268,11 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-  vocab = config.vocab_size
   if tree_shape.kind == "top_n":
-    validate_tree_args(drafter.depth, vocab, tree_shape.budget, tree_shape.top_k)
-  longest = max((len(p) for p in prompts), default=0)
+    validate_tree_args(drafter.depth, config.vocab_size, tree_shape.budget, tree_shape.top_k)
   if cache_size is None:
-    needed = longest + max_new_tokens
-    cache_size = bucket_length(needed, max(config.max_position_embeddings, needed))
-  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+    cache_size = default_cache_size(config, prompts, max_new_tokens)
+  stop = stop_tokens_for(config, stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
   statics = dict(config=config, drafter=drafter, tree_shape=tree_shape, sampler=sampler,
                  stop_tokens=stop, impl=impl)
@@ -345,7 +338,7 @@ def _autoregressive(target_params, config, prompts, max_new_tokens, sampler, see
   """Plain decoding (`generate.generate`) reported like a speculative run: one token a forward."""
   result = generate(target_params, config, prompts, max_new_tokens, sampler=sampler, seed=seed,
                     cache_size=cache_size, stop_tokens=stop_tokens, on_tokens=on_tokens)
-  stop = tuple(config.eos_token_ids if stop_tokens is None else stop_tokens)
+  stop = stop_tokens_for(config, stop_tokens)
   return SpeculativeGeneration(
       tokens=result.tokens, committed_per_round=[[1] * (len(t) - 1) for t in result.tokens],
       stop_reasons=[stop_reason(t, max_new_tokens, stop) for t in result.tokens],

@@ -7,9 +7,9 @@ import time
 from typing import Callable, Sequence
 
 from jetflow_jax.sampling import make_sampler
-from jetflow_jax.speculative import speculative_generate
+from jetflow_jax.speculative import METHODS, speculative_generate
 
-SPECULATIVE = ("dflash", "ddtree", "jetflow")
+SPECULATIVE = METHODS[1:]  # every method but "ar"
 
 
 @dataclasses.dataclass
