@@ -4,6 +4,7 @@
 #   1. BPE tokenizer + pre-trained target   (jetflow_jax.embedded.pretrain)
 #   2. snippet prompts from held-in files   (jetflow_jax.embedded.prompts)
 #   3. the target's own continuations and the two heads (train.py, configs/embedded.py)
+#   4. the heads' held-out agreement              (jetflow_jax.embedded.head_eval)
 # Finished checkpoints land in jetflow_jax/embedded/checkpoints/ (bfloat16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,3 +28,6 @@ for kind in jetflow dflash; do
       --config.data.regenerated="$WORK/regenerated.jsonl" --config.train.num_steps=$HEAD_STEPS
   rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
 done
+# The heads' bar: top-1 agreement with the target on continuations of held-out files.
+$PY -m jetflow_jax.embedded.head_eval --head "$OUT/head_jetflow" --head "$OUT/head_dflash" \
+    --save-quality

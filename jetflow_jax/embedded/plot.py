@@ -1,6 +1,8 @@
-"""The embedded target's pre-training curve: train and held-out loss against tokens.
+"""Curves of the embedded pair: the target's pre-training, and the two heads' training.
 
   python -m jetflow_jax.embedded.plot runs/embedded/pretrain docs/embedded_pretraining.png
+  python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
+      runs/embedded/head_dflash docs/embedded_heads.png
 """
 
 from __future__ import annotations
@@ -10,17 +12,36 @@ import json
 import os
 
 
-def plot_pretraining(workdir: str, out: str) -> str:
+def _rows(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+  return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+          for i in range(len(values))]
+
+
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  return plt
+
+
+def _save(fig, out: str) -> str:
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  return out
+
+
+def plot_pretraining(workdir: str, out: str) -> str:
+  plt = _pyplot()
+  rows = _rows(workdir)
   tokens = [r["tokens"] / 1e6 for r in rows]
   window = 50  # the per-step loss is noisy; show its running mean
-  losses = [r["loss"] for r in rows]
-  smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-            for i in range(len(losses))]
+  smooth = _running_mean([r["loss"] for r in rows], window)
   held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in rows if "heldout_loss" in r]
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(tokens, smooth, label=f"train (running mean of {window} steps)")
@@ -31,19 +52,38 @@ def plot_pretraining(workdir: str, out: str) -> str:
   ax.set_ylim(1.5, 6)
   ax.legend()
   ax.set_title("embedded target pre-training (CPU)")
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
-  return out
+  return _save(fig, out)
+
+
+def plot_heads(jetflow_workdir: str, dflash_workdir: str, out: str) -> str:
+  """Training top-1 agreement at depths 1, 4 and 8 of both heads against step."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for label, workdir, color in (("JetFlow (causal)", jetflow_workdir, "C0"),
+                                ("DFlash (bidirectional)", dflash_workdir, "C1")):
+    rows = _rows(workdir)
+    steps = [r["step"] for r in rows]
+    for depth, style in ((1, "-"), (4, "--"), (8, ":")):
+      agreement = _running_mean([r["agreement_k"][depth - 1] for r in rows], 5)
+      ax.plot(steps, agreement, style, color=color, label=f"{label}, depth {depth}")
+  ax.axhline(0.6, color="grey", linewidth=0.8, label="depth-1 bar 0.6 (held-out)")
+  ax.set(xlabel="step", ylabel="top-1 agreement with the target", ylim=(0, 1),
+         title="embedded heads: training agreement (running mean of 5 logs)")
+  ax.legend(fontsize=7)
+  return _save(fig, out)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("workdir")
+  parser.add_argument("--heads", action="store_true",
+                      help="the two head workdirs (JetFlow, then DFlash) instead of the target's")
+  parser.add_argument("workdirs", nargs="+")
   parser.add_argument("out")
   args = parser.parse_args()
-  print(plot_pretraining(args.workdir, args.out))
+  if args.heads:
+    print(plot_heads(*args.workdirs, args.out))
+  else:
+    print(plot_pretraining(*args.workdirs, args.out))
 
 
 if __name__ == "__main__":

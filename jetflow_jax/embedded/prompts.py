@@ -17,13 +17,17 @@ import numpy as np
 from jetflow_jax.embedded import corpus
 
 
-def snippet_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
-  """`count` prompts, each the first `prompt_tokens` tokens after a random line start."""
+def snippet_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0,
+                    heldout: bool = False) -> list[list[int]]:
+  """`count` prompts, each the first `prompt_tokens` tokens after a random line start.
+
+  Drawn from the training files, or with `heldout` from the held-out ones (evaluation).
+  """
   rng = np.random.default_rng(seed)
-  train_files, _ = corpus.split_files()
+  files = corpus.split_files()[1 if heldout else 0]
   prompts = []
   while len(prompts) < count:
-    text = corpus.read_source(train_files[rng.integers(len(train_files))])
+    text = corpus.read_source(files[rng.integers(len(files))])
     starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
     start = starts[rng.integers(len(starts))]
     ids = tokenizer.encode(text[start:start + 8 * prompt_tokens], add_special_tokens=False)

@@ -1,0 +1,86 @@
+"""Held-out agreement of an embedded head with its target: the heads' quality bar.
+
+The target continues snippets of the held-out standard-library files (never trained
+on, by the target or the heads); at sampled response positions the head's top-1 guess
+at every depth is compared with the target's own top-1.
+
+  python -m jetflow_jax.embedded.head_eval --head runs/embedded/head_jetflow \
+      --head runs/embedded/head_dflash [--save-quality]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax import cli, embedded
+from jetflow_jax.embedded.prompts import snippet_prompts
+from jetflow_jax.generate import generate
+from jetflow_jax.train.data import to_row
+from jetflow_jax.train.step import LossConfig, make_loss_fn
+
+SEQ_LEN = 304  # configs/embedded.py: 48 prompt tokens + 256 new ones
+
+
+def heldout_records(target_params, target_config, tokenizer, count: int,
+                    max_new_tokens: int = SEQ_LEN - 48) -> list[dict]:
+  """The target's greedy continuations of `count` held-out snippets."""
+  prompts = snippet_prompts(tokenizer, count, prompt_tokens=48, seed=1, heldout=True)
+  responses = generate(target_params, target_config, prompts, max_new_tokens).tokens
+  return [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+
+
+def agreement_by_depth(head_params, head_config, target_params, target_config,
+                       records: list[dict], num_anchors: int = 96, batch_size: int = 4):
+  """Top-1 agreement with the target per depth, averaged over batches of `records`."""
+  loss_fn = jax.jit(make_loss_fn(head_config, target_config, LossConfig(num_anchors=num_anchors)))
+  per_batch = []
+  for start in range(0, len(records) - batch_size + 1, batch_size):
+    rows = [to_row(r, SEQ_LEN) for r in records[start:start + batch_size]]
+    tokens_bt = jnp.asarray(np.stack([r["tokens"] for r in rows]))
+    loss_mask_bt = jnp.asarray(np.stack([r["loss_mask"] for r in rows]))
+    _, aux = loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, jax.random.key(start))
+    per_batch.append(np.asarray(aux["agreement_k"]))
+  return np.mean(per_batch, axis=0)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+  parser.add_argument("--head", action="append", required=True,
+                      help="head directory or train.py workdir (repeatable)")
+  parser.add_argument("--target", default=None, help="default: the embedded target")
+  parser.add_argument("--count", type=int, default=64, help="held-out snippets")
+  parser.add_argument("--save-quality", action="store_true",
+                      help="write each head's results to HEAD/quality.json")
+  args = parser.parse_args(argv)
+
+  def run():
+    from transformers import AutoTokenizer
+    from jetflow_jax.checkpoint import load_qwen3
+    from jetflow_jax.head_checkpoint import load_head
+    target_dir = args.target or embedded.default_target()
+    target_config, target_params = load_qwen3(target_dir)
+    records = heldout_records(target_params, target_config,
+                              AutoTokenizer.from_pretrained(target_dir), args.count)
+    for head in args.head:
+      head_config, head_params = load_head(head)
+      agreement_k = agreement_by_depth(head_params, head_config, target_params, target_config,
+                                       records)
+      quality = {"heldout_agreement_k": [round(float(a), 4) for a in agreement_k],
+                 "num_heldout_snippets": args.count}
+      print(f"{head}: held-out top-1 agreement by depth "
+            + " ".join(f"{a:.2f}" for a in agreement_k))
+      if args.save_quality:
+        with open(os.path.join(head, "quality.json"), "w") as f:
+          json.dump(quality, f, indent=1)
+
+  cli.run(run)
+
+
+if __name__ == "__main__":
+  main()
