@@ -4,9 +4,15 @@
   python train.py --config=configs/qwen3_8b.py --workdir=runs/8b \
       --config.target.checkpoint=/models/Qwen3-8B --config.data.prompts=prompts.jsonl
   python train.py --config=configs/qwen3_8b.py --config.target.checkpoint=DIR --validate_only
+  python train.py --config=configs/qwen3_8b.py --memory_report --config.mesh.fsdp=8 \
+      --config.train.batch_size=8 --config.train.num_anchors=512 [--json]
 
-Re-running the same command resumes from the workdir's latest checkpoint.
+Re-running the same command resumes from the workdir's latest checkpoint. `--memory_report`
+compiles the train step on abstract shapes (no weights; fake CPU devices when the mesh needs
+more than the host has) and prints XLA's per-device memory analysis.
 """
+
+import json
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -18,6 +24,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file"
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics, data")
 _VALIDATE_ONLY = flags.DEFINE_bool("validate_only", False,
                                    "check the config against the target's config.json and exit")
+_MEMORY_REPORT = flags.DEFINE_bool("memory_report", False,
+                                   "compile the train step without weights, print its per-device "
+                                   "memory and exit")
+_JSON = flags.DEFINE_bool("json", False, "with --memory_report: print one JSON object")
 
 
 def main(argv):
@@ -26,6 +36,11 @@ def main(argv):
   config = _CONFIG.value
 
   def run():
+    if _MEMORY_REPORT.value:
+      from jetflow_jax.train import memory_report
+      report = memory_report.memory_report(config)
+      print(json.dumps(report) if _JSON.value else memory_report.format_report(report))
+      return
     from jetflow_jax.train import setup
     if _VALIDATE_ONLY.value:
       print(setup.validate(config))

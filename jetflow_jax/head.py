@@ -13,18 +13,27 @@ head. Output row k (k >= 1) is the distribution of the token at depth k.
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jetflow_jax.attention import AttentionImpl
+from jetflow_jax.attention import AttentionImpl, apply_rope
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.masks import in_block_mask, training_mask
+from jetflow_jax.kernels.train_attention import TrainAttentionImpl, train_attention
+from jetflow_jax.masks import in_block_mask
 from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
                                write_rows)
+
+RematPolicy = Literal["none", "full", "dots"]
+# "dots" keeps the outputs of the weight matmuls (projections, MLP) and recomputes the rest. The
+# attention einsums carry batch axes, so they are recomputed too: saving them would keep the very
+# score matrices remat is there to drop.
+_REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class DraftHead(nn.Module):
@@ -40,10 +49,14 @@ class DraftHead(nn.Module):
                    for i in range(c.num_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
 
+  def context_features(self, taps_btld):
+    """Fused context features `[B, T, D]` from target taps `[B, T, n_taps, D]`."""
+    batch, length = taps_btld.shape[:2]
+    return self.hidden_norm(self.fc(taps_btld.reshape(batch, length, -1)))
+
   def context_kv(self, taps_btld, positions_bt):
     """Per-layer context (k, v) from target taps `[B, T, n_taps, D]`."""
-    batch, length = taps_btld.shape[:2]
-    features_btd = self.hidden_norm(self.fc(taps_btld.reshape(batch, length, -1)))
+    features_btd = self.context_features(taps_btld)
     return [layer.self_attn.keys_values(features_btd, positions_bt) for layer in self.layers]
 
   def __call__(self, x_btd, positions_bt, cache: KVCache, cache_index_b, mask_bts,
@@ -137,27 +150,66 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
                      jnp.full((batch,), n - 1, jnp.int32), token_ids[:, -1], dtype)
 
 
-def training_logits(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
-                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32):
-  """Draft logits `[B, A, depth, V]` for A anchors per sequence in one packed head forward.
+def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, anchors_ba,
+                    causal: bool, attention: TrainAttentionImpl):
+  """A head layer's own modules over the packed blocks, with packed-anchor attention."""
+  # The context K/V are made here from the fused features, so remat recomputes them, not keeps them.
+  attn, theta = layer.self_attn, layer.config.rope_theta
+  context_positions_bt = jnp.arange(features_btd.shape[1], dtype=jnp.int32)[None, :]
+  with jax.named_scope("attention_block"):
+    k_ctx_bskh, v_ctx_bskh = attn.keys_values(features_btd, context_positions_bt)
+    h_btd = layer.input_layernorm(x_btd)
+    q_btnh = apply_rope(attn.q_norm(attn.q_proj(h_btd)), positions_bt, theta)
+    k_btkh, v_btkh = attn.keys_values(h_btd, positions_bt)
+    out_btnh = train_attention(q_btnh, k_ctx_bskh, v_ctx_bskh, k_btkh, v_btkh, anchors_ba, causal,
+                               impl=attention,
+                               # Pallas has no CPU backend; there it runs interpreted.
+                               interpret=jax.default_backend() == "cpu")
+    x_btd = x_btd + attn.o_proj(out_btnh)
+  with jax.named_scope("mlp_block"):
+    return x_btd + layer.mlp(layer.post_attention_layernorm(x_btd))
 
-  Context rows are all T tokens' taps; anchor a's block reads rows < a only
-  (see `masks.training_mask`), so each block sees what it would see at decode time.
+
+def training_hidden(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
+                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, *,
+                    attention: TrainAttentionImpl = "split", remat: RematPolicy = "none"):
+  """Final-normed draft hidden `[B, A, depth, D]` for A anchors per sequence, one packed forward.
+
+  Context rows are all T tokens' taps; anchor a's block reads rows < a and its own block only
+  (the mask of `masks.training_mask`), so each block sees what it would see at decode time.
+  `attention` picks how that mask is applied (see `kernels.train_attention`): "dense" (the
+  masked reference), "split" (XLA, no cross-block scores) or "pallas" (Triton prefix kernel).
+  `remat` recomputes each head layer in the backward pass: "none", "full" (keeps only the
+  layer inputs) or "dots" (also keeps the weight-matmul outputs).
   """
-  batch, length = tokens_bt.shape
+  if remat not in ("none", *_REMAT_POLICIES):
+    raise ValueError(f"unknown remat policy {remat!r}")
+  batch = tokens_bt.shape[0]
   num_anchors, block = anchors_ba.shape[1], config.block_size
   anchor_tokens_ba = jnp.take_along_axis(tokens_bt, anchors_ba, axis=1)
   x_btd = embed_tokens(target_params, target_config,
-                       _block_tokens(config, anchor_tokens_ba).reshape(batch, -1))
+                       _block_tokens(config, anchor_tokens_ba).reshape(batch, -1)).astype(dtype)
   positions_bt = (anchors_ba[:, :, None] + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
+  head = DraftHead(config, dtype)
+  features_btd = head.apply({"params": head_params}, taps_btld.astype(dtype),
+                            method=DraftHead.context_features)
 
-  # Slots [0, T) hold the context; the packed blocks are written after it.
-  cache = init_head_cache(config, batch, length + num_anchors * block, dtype)
-  cache = append_context(head_params, config, cache, taps_btld, jnp.zeros((batch,), jnp.int32),
-                         dtype)
-  mask_bts = training_mask(anchors_ba, length, block, config.causal)
-  hidden_btd = DraftHead(config, dtype).apply({"params": head_params}, x_btd.astype(dtype),
-                                              positions_bt, cache,
-                                              jnp.full((batch,), length, jnp.int32), mask_bts)
-  hidden_bakd = hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
+  for i in range(config.num_layers):
+    layer = DecoderLayer(config.layer_config(), i, dtype=dtype)
+    run = lambda layer_params, *args, layer=layer: layer.apply(
+        {"params": layer_params}, *args, config.causal, attention, method=_training_layer)
+    if remat != "none":
+      run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])
+    # `DraftHead.setup` keeps its layers in a list, which Flax names layers_0, layers_1, ...
+    x_btd = run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd, anchors_ba)
+  hidden_btd = head.apply({"params": head_params}, x_btd, method=lambda h, x: h.norm(x))
+  return hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
+
+
+def training_logits(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
+                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, *,
+                    attention: TrainAttentionImpl = "split", remat: RematPolicy = "none"):
+  """Draft logits `[B, A, depth, V]`: `training_hidden` through the target's LM head."""
+  hidden_bakd = training_hidden(head_params, config, target_params, target_config, taps_btld,
+                                tokens_bt, anchors_ba, dtype, attention=attention, remat=remat)
   return lm_logits(target_params, target_config, hidden_bakd)

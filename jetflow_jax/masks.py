@@ -3,7 +3,8 @@
 Keys are laid out as [context rows | block rows]. Context row j holds the fused
 target taps of token j. Block rows are `[anchor, MASK x (block - 1)]` per anchor.
 At decode time the head reads its context cache plus one block under
-`in_block_mask` (see `head.draft_block`).
+`in_block_mask` (see `head.draft_block`). `training_mask` is what the training pass
+computes; only its dense reference path builds it (see `kernels.train_attention`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""Losses against float64 NumPy, anchor sampling, learning on a tiny target, sharding."""
+"""Losses against float64 NumPy, anchor sampling, chunked loss, learning on a tiny target,
+sharding."""
 
 import functools
+import math
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jetflow_jax
@@ -80,6 +84,65 @@ def tiny_setup(tmp_path_factory):
 def head_for(config, causal=True):
   return HeadConfig.for_target(config, num_layers=2, block_size=6, mask_token_id=MASK_ID,
                                causal=causal, target_layer_ids=(0, 2))
+
+
+def vocab_wide_sizes(jaxpr, depth, vocab):
+  """Leading sizes (all axes but the last two) of each `[..., depth, vocab]` value of a jaxpr."""
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      if var.aval.shape[-2:] == (depth, vocab):
+        yield math.prod(var.aval.shape[:-2])
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from vocab_wide_sizes(sub, depth, vocab)
+
+
+def test_chunked_loss_equals_unchunked(tiny_setup):
+  config, params, tokens, loss_mask = tiny_setup
+  head = head_for(config)
+  batch, num_anchors, chunk = 3, 7, 3  # chunks of 3, 3 and 1 anchor (+2 invalid padding)
+  args = (init_head_params(head, jax.random.key(0)), params, tokens[:batch], loss_mask[:batch],
+          jax.random.key(3))
+  results, widest = [], []
+  for chunk_anchors in (0, chunk):
+    # At T != 1 the forward-KL metric is its own vocabulary pass, chunked too.
+    loss_config = LossConfig(temperature=2.0, depth_gamma=2.0, num_anchors=num_anchors,
+                             chunk_anchors=chunk_anchors)
+    grad_fn = jax.value_and_grad(make_loss_fn(head, config, loss_config), has_aux=True)
+    results.append(jax.jit(grad_fn)(*args))
+    widest.append(max(vocab_wide_sizes(jax.make_jaxpr(grad_fn)(*args).jaxpr, head.depth, VOCAB)))
+  # Forward and backward: no vocabulary-wide value spans more anchors than one chunk.
+  assert widest == [batch * num_anchors, batch * chunk]
+  (whole_loss, whole_aux), whole_grads = results[0]
+  (loss, aux), grads = results[1]
+  assert set(aux) == {"loss_k", "forward_kl", "agreement_k", "num_predictions"}
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), aux,
+               whole_aux)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), grads,
+               whole_grads)
+
+
+def test_train_step_gradient_is_the_loss_fn_gradient(tiny_setup):
+  """The step runs the target outside differentiation; loss and gradient are unchanged."""
+  config, params, tokens, loss_mask = tiny_setup
+  head = head_for(config)
+  loss_fn = make_loss_fn(head, config, LossConfig(num_anchors=8, chunk_anchors=3))
+  head_params = init_head_params(head, jax.random.key(0))
+  # Plain SGD at rate 1: the step moves the params by exactly minus the gradient.
+  optimizer = optax.sgd(1.0)
+  state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
+                     opt_state=optimizer.init(head_params))
+  step = make_train_step(loss_fn, optimizer, lambda _: 1.0, seed=5)
+  new_state, metrics = jax.jit(step)(state, params, tokens[:4], loss_mask[:4])
+  (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+      head_params, params, tokens[:4], loss_mask[:4], jax.random.fold_in(jax.random.key(5), 0))
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+  jax.tree.map(lambda g, old, new: np.testing.assert_allclose(old - new, g, atol=1e-6), grads,
+               head_params, new_state.head_params)
 
 
 def test_training_lowers_kl_and_learns_depth_one(tiny_setup):

@@ -45,6 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 8
   c.train.num_anchors = 256
+  c.train.loss_chunk_anchors = 32  # anchors whose vocabulary-wide logits exist at once; 0: all
+  c.train.head_attention = "split"  # dense | split | pallas (GPU): the head's training mask
+  c.train.remat = "none"  # none | full | dots: recompute head layers in the backward pass
   c.train.loss = "forward_kl"  # forward_kl | reverse_kl | cross_entropy
   c.train.temperature = 1.0  # KL temperature (losses scaled by T^2)
   c.train.depth_gamma = 0.0  # > 0 weighs depth k by exp(-(k-1)/gamma)

@@ -46,12 +46,20 @@ def _check_head_config(workdir: str, head: HeadConfig) -> None:
                       f"this config asks for {head}. Use a new --workdir.")
 
 
-def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
+def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   t = config.train
   if t.loss not in LOSSES:
     raise ConfigError(f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
+  if t.loss_chunk_anchors < 0:
+    raise ConfigError(f"train.loss_chunk_anchors={t.loss_chunk_anchors} must be >= 0")
+  if t.head_attention not in ("dense", "split", "pallas"):
+    raise ConfigError(f"train.head_attention={t.head_attention!r} is not dense, split or pallas")
+  if t.remat not in ("none", "full", "dots"):
+    raise ConfigError(f"train.remat={t.remat!r} is not none, full or dots")
   return LossConfig(kind=t.loss, temperature=t.temperature, depth_gamma=t.depth_gamma,
-                    num_anchors=t.num_anchors, head_dtype=cli.parse_dtype(config.head.dtype))
+                    num_anchors=t.num_anchors, chunk_anchors=t.loss_chunk_anchors,
+                    head_dtype=cli.parse_dtype(config.head.dtype),
+                    head_attention=t.head_attention, remat=t.remat)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -59,7 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   os.makedirs(workdir, exist_ok=True)
   t = config.train
-  loss_config = _loss_config(config)
+  losses = loss_config(config)
   # Everything checkable from config files is checked before the target's weights load.
   head = setup.head_config(config, setup.target_config(config))
   _check_head_config(workdir, head)
@@ -91,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state = TrainState(step=jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding),
                        head_params=head_params, opt_state=opt_state)
 
-  loss_fn = make_loss_fn(head, target, loss_config)
+  loss_fn = make_loss_fn(head, target, losses)
   train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, t.seed),
                        donate_argnames=("state",))
   rows = batch_sharding(mesh)

@@ -34,6 +34,25 @@ def per_depth_loss(kind: str, draft_logits, teacher_logits, labels, temperature:
   raise ValueError(f"unknown loss {kind!r}; expected one of {LOSSES}")
 
 
+def depth_sums(kind: str, draft_logits, teacher_logits, labels, valid, temperature: float = 1.0):
+  """Per-depth sums over valid predictions (`[depth]` each) of the loss, forward KL and agreement.
+
+  Logits are `[..., depth, V]`. Agreement: the teacher's top token is (one of) the draft's.
+  """
+  losses = per_depth_loss(kind, draft_logits, teacher_logits, labels, temperature)
+  # Metrics carry no gradient; they reuse the loss's vocabulary pass where they coincide.
+  draft_logits, teacher_logits = jax.lax.stop_gradient((draft_logits, teacher_logits))
+  if kind == "forward_kl" and temperature == 1.0:
+    kl = jax.lax.stop_gradient(losses)
+  else:
+    kl = kl_divergence(teacher_logits, draft_logits)
+  teacher_top = jnp.argmax(teacher_logits, -1)[..., None]
+  agree = jnp.take_along_axis(draft_logits, teacher_top, -1)[..., 0] >= jnp.max(draft_logits, -1)
+  weight = valid.astype(jnp.float32)
+  total = lambda x: jnp.sum(x * weight, axis=tuple(range(weight.ndim - 1)))
+  return {"loss_k": total(losses), "forward_kl_k": total(kl), "agreement_k": total(agree)}
+
+
 def depth_weights(depth: int, gamma: float):
   """exp(-(k - 1) / gamma) for k = 1..depth; gamma <= 0 weighs every depth equally."""
   if gamma <= 0:
@@ -41,6 +60,6 @@ def depth_weights(depth: int, gamma: float):
   return jnp.exp(-jnp.arange(depth, dtype=jnp.float32) / gamma)
 
 
-def masked_mean(values, mask, axis=None):
-  mask = mask.astype(jnp.float32)
-  return jnp.sum(values * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
+def mean_of_sums(total, count):
+  """`total / count`, reading 0 / 0 as 0 (no valid prediction)."""
+  return total / jnp.maximum(count, 1.0)

@@ -1,9 +1,10 @@
-"""The jitted train step: frozen target pass, many anchors per sequence, one head forward."""
+"""The jitted train step: frozen target pass, many anchors per sequence, chunked LM-head loss."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -11,10 +12,10 @@ import jax.numpy as jnp
 import optax
 
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.head import training_logits
+from jetflow_jax.head import training_hidden
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import forward, lm_logits
-from jetflow_jax.train.losses import depth_weights, kl_divergence, masked_mean, per_depth_loss
+from jetflow_jax.train.losses import depth_sums, depth_weights, mean_of_sums
 
 
 @flax.struct.dataclass
@@ -30,7 +31,16 @@ class LossConfig:
   temperature: float = 1.0
   depth_gamma: float = 0.0  # <= 0: every depth weighs the same
   num_anchors: int = 256
+  chunk_anchors: int = 32  # anchors per LM-head and loss chunk; 0: all at once
   head_dtype: Any = jnp.float32
+  head_attention: str = "split"  # see head.training_hidden
+  remat: str = "none"
+
+
+class TargetPass(NamedTuple):
+  """The frozen target's outputs the loss reads: final hidden `[B, T, D]`, taps `[B, T, L, D]`."""
+  hidden_btd: jax.Array
+  taps_btld: jax.Array
 
 
 def sample_anchors(rng, loss_mask_bt, num_anchors: int):
@@ -51,53 +61,98 @@ def sample_anchors(rng, loss_mask_bt, num_anchors: int):
   return jnp.where(valid_ba, anchors_ba, 0).astype(jnp.int32), valid_ba
 
 
-def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
-                 loss: LossConfig) -> Callable:
-  """Returns `loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng) -> (loss, aux)`.
+def _sum_over_chunks(fn: Callable, chunk: int, *xs_ba):
+  """`fn(*xs_ba)` (a pytree of sums) computed `chunk` anchors (axis 1) at a time, then summed.
 
-  Only `head_params` is meant to be differentiated; the target is frozen.
+  Each chunk's body is rematerialised in the backward pass, so only one chunk's
+  intermediates are ever live. The anchor axis is zero-padded to a multiple of
+  `chunk`; `fn` must give zero-padded rows zero weight.
   """
-  depth = head_config.depth
-  weights_k = depth_weights(depth, loss.depth_gamma)
+  num_anchors = xs_ba[0].shape[1]
+  if chunk <= 0 or chunk >= num_anchors:
+    return fn(*xs_ba)
+  num_chunks = -(-num_anchors // chunk)
 
-  def loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng):
-    length = tokens_bt.shape[1]
-    hidden_btd, _, taps_btld = forward(target_params, target_config, tokens_bt,
-                                       tap_layers=head_config.target_layer_ids)
-    hidden_btd, taps_btld = jax.lax.stop_gradient((hidden_btd, taps_btld))
-    anchors_ba, anchor_valid_ba = sample_anchors(rng, loss_mask_bt, loss.num_anchors)
+  def split(x_ba):
+    pad = [(0, 0), (0, num_chunks * chunk - num_anchors)] + [(0, 0)] * (x_ba.ndim - 2)
+    x_bnc = jnp.pad(x_ba, pad).reshape(x_ba.shape[0], num_chunks, chunk, *x_ba.shape[2:])
+    return jnp.moveaxis(x_bnc, 1, 0)
 
+  # Inside a scan the recomputation cannot be merged away, so CSE need not be prevented.
+  body = jax.checkpoint(lambda xs: fn(*xs), prevent_cse=False)
+  sums = jax.lax.map(body, tuple(split(x) for x in xs_ba))
+  return jax.tree.map(lambda s: s.sum(0), sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLoss:
+  """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng) -> (loss, aux)`, in parts.
+
+  `prepare` (the frozen target's pass and the anchors) needs no gradient;
+  `at_anchors` is the part to differentiate, with respect to `head_params` only.
+  """
+
+  head_config: HeadConfig
+  target_config: Qwen3Config
+  config: LossConfig
+
+  def __call__(self, head_params, target_params, tokens_bt, loss_mask_bt, rng):
+    return self.at_anchors(head_params, target_params, tokens_bt, loss_mask_bt,
+                           *self.prepare(target_params, tokens_bt, loss_mask_bt, rng))
+
+  def prepare(self, target_params, tokens_bt, loss_mask_bt, rng):
+    """(target pass, anchors `[B, A]`, anchor validity `[B, A]`) for one batch."""
+    hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
+                                       tap_layers=self.head_config.target_layer_ids)
+    target = TargetPass(*jax.lax.stop_gradient((hidden_btd, taps_btld)))
+    return (target, *sample_anchors(rng, loss_mask_bt, self.config.num_anchors))
+
+  def at_anchors(self, head_params, target_params, tokens_bt, loss_mask_bt, target: TargetPass,
+                 anchors_ba, anchor_valid_ba):
+    """(loss, aux) of the blocks at `anchors_ba`; aux holds per-depth means (`*_k`) and totals."""
+    depth, length = self.head_config.depth, tokens_bt.shape[1]
     # Depth k of anchor a predicts token a + k; its teacher is the target at position a + k - 1.
     predicted_bak = anchors_ba[:, :, None] + jnp.arange(1, depth + 1)
     in_row_bak = predicted_bak < length
     predicted_bak = jnp.minimum(predicted_bak, length - 1)
     gather = jax.vmap(lambda x, i: x[i])
-    teacher_hidden = gather(hidden_btd, predicted_bak - 1)
-    teacher_logits = jax.lax.stop_gradient(lm_logits(target_params, target_config, teacher_hidden))
+    teacher_bakd = gather(target.hidden_btd, predicted_bak - 1)
     labels_bak = gather(tokens_bt, predicted_bak)
     valid_bak = anchor_valid_ba[:, :, None] & in_row_bak & gather(loss_mask_bt, predicted_bak)
+    draft_bakd = training_hidden(head_params, self.head_config, target_params, self.target_config,
+                                 target.taps_btld, tokens_bt, anchors_ba, self.config.head_dtype,
+                                 attention=self.config.head_attention, remat=self.config.remat)
 
-    draft = training_logits(head_params, head_config, target_params, target_config, taps_btld,
-                            tokens_bt, anchors_ba, dtype=loss.head_dtype)
-    losses_bak = per_depth_loss(loss.kind, draft, teacher_logits, labels_bak, loss.temperature)
-    value = masked_mean(losses_bak, valid_bak * weights_k)
+    def chunk_sums(draft_bckd, teacher_bckd, labels_bck, valid_bck):
+      # Vocabulary-wide logits exist one chunk of anchors at a time.
+      logits = functools.partial(lm_logits, target_params, self.target_config)
+      return depth_sums(self.config.kind, logits(draft_bckd), logits(teacher_bckd), labels_bck,
+                        valid_bck, self.config.temperature)
 
-    # Metrics, sharing work with the loss where they coincide (vocab-wide passes are the cost).
-    plain_kl = loss.kind == "forward_kl" and loss.temperature == 1.0
-    kl_bak = losses_bak if plain_kl else kl_divergence(teacher_logits, draft)
-    teacher_top = jnp.argmax(teacher_logits, -1)[..., None]
-    agree_bak = jnp.take_along_axis(draft, teacher_top, -1)[..., 0] >= jnp.max(draft, -1)
+    sums = _sum_over_chunks(chunk_sums, self.config.chunk_anchors, draft_bakd, teacher_bakd,
+                            labels_bak, valid_bak)
+    count_k = valid_bak.sum((0, 1)).astype(jnp.float32)
+    weights_k = depth_weights(depth, self.config.depth_gamma)
+    value = mean_of_sums(jnp.sum(sums["loss_k"] * weights_k), jnp.sum(count_k * weights_k))
     aux = {
-        "forward_kl": masked_mean(kl_bak, valid_bak),
-        "agreement_k": masked_mean(agree_bak, valid_bak, axis=(0, 1)),  # per depth
+        "loss_k": mean_of_sums(sums["loss_k"], count_k),
+        "forward_kl": mean_of_sums(sums["forward_kl_k"].sum(), count_k.sum()),
+        "agreement_k": mean_of_sums(sums["agreement_k"], count_k),
         "num_predictions": valid_bak.sum(),
     }
     return value, aux
 
-  return loss_fn
+
+def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
+                 loss: LossConfig) -> DistillLoss:
+  """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng) -> (loss, aux)`.
+
+  Only `head_params` is meant to be differentiated; the target is frozen.
+  """
+  return DistillLoss(head_config, target_config, loss)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation,
+def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformation,
                     schedule: Callable, seed: int) -> Callable:
   """`train_step(state, target_params, tokens_bt, loss_mask_bt) -> (state, metrics)`, unjitted.
 
@@ -107,8 +162,11 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation,
 
   def train_step(state: TrainState, target_params, tokens_bt, loss_mask_bt):
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, aux), grads = grad_fn(state.head_params, target_params, tokens_bt, loss_mask_bt, rng)
+    # The target runs outside differentiation, so none of its activations are kept for backprop.
+    inputs = loss_fn.prepare(target_params, tokens_bt, loss_mask_bt, rng)
+    grad_fn = jax.value_and_grad(loss_fn.at_anchors, has_aux=True)
+    (loss, aux), grads = grad_fn(state.head_params, target_params, tokens_bt, loss_mask_bt,
+                                 *inputs)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.head_params)
     params = optax.apply_updates(state.head_params, updates)
     metrics = {"loss": loss, "learning_rate": schedule(state.step),

@@ -1,0 +1,133 @@
+"""Head attention under the packed-anchor training mask, without the dense score matrix.
+
+The T = A * block query rows are A packed blocks `[x_a, MASK...]`: the block of anchor a reads
+the context keys s < a and its own block (causally or not, see `masks.in_block_mask`), nothing
+else. The dense reference scores every row against [context | all blocks] under
+`masks.training_mask`; the split forms score the context prefix (`[T, S]` in XLA, tile by tile
+and only below each anchor in the Pallas kernel) and each block against itself
+(`[A, block, block]`), and put both parts under one softmax, so the cross-block scores (A times
+the in-block ones) are never formed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.attention import attention
+from jetflow_jax.kernels.train_attention_pallas import prefix_attention_pallas
+from jetflow_jax.masks import in_block_mask, training_mask
+
+TrainAttentionImpl = Literal["dense", "split", "pallas"]
+
+
+def train_attention_dense(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
+                          k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
+                          causal: bool) -> jax.Array:
+  """Reference: masked attention over the context followed by every block."""
+  block = q_btnh.shape[1] // anchors_ba.shape[1]
+  mask_bts = training_mask(anchors_ba, k_ctx_bskh.shape[1], block, causal)
+  keys_bskh = jnp.concatenate([k_ctx_bskh, k_blk_btkh], axis=1)
+  values_bskh = jnp.concatenate([v_ctx_bskh, v_blk_btkh], axis=1)
+  return attention(q_btnh, keys_bskh, values_bskh, mask_bts)
+
+
+def _by_block(q_btnh, k_blk_btkh, v_blk_btkh, num_anchors: int):
+  """q as `[B, A, I, K, G, H]` (I the block offset), block keys/values as `[B, A, J, K, H]`."""
+  b, t, n, h = q_btnh.shape
+  k = k_blk_btkh.shape[2]
+  block = t // num_anchors
+  q_baikgh = q_btnh.reshape(b, num_anchors, block, k, n // k, h)
+  as_blocks = lambda x_btkh: x_btkh.reshape(b, num_anchors, block, k, h)
+  return q_baikgh, as_blocks(k_blk_btkh), as_blocks(v_blk_btkh)
+
+
+def _block_scores(q_baikgh, k_bajkh, causal: bool):
+  """[B, A, K, G, I, J] scaled scores of each block against itself, -inf where masked."""
+  scale = 1.0 / math.sqrt(q_baikgh.shape[-1])
+  s_bakgij = jnp.einsum("baikgh,bajkh->bakgij", q_baikgh, k_bajkh,
+                        preferred_element_type=jnp.float32) * scale
+  return jnp.where(in_block_mask(q_baikgh.shape[2], causal), s_bakgij, -jnp.inf)
+
+
+def _mix(p, values, spec: str):
+  # Probabilities drop to the value dtype (as in flash attention); products sum in float32.
+  return jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+
+def _finish(o_baikgh, l_bakgi, shape):
+  """Normalizes and returns `[B, T, N, H]`."""
+  return (o_baikgh / l_bakgi.transpose(0, 1, 4, 2, 3)[..., None]).reshape(shape)
+
+
+def train_attention_split(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
+                          k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
+                          causal: bool) -> jax.Array:
+  """XLA: context-prefix scores and in-block scores under one float32 softmax."""
+  num_anchors = anchors_ba.shape[1]
+  q_baikgh, k_bajkh, v_bajkh = _by_block(q_btnh, k_blk_btkh, v_blk_btkh, num_anchors)
+  scale = 1.0 / math.sqrt(q_btnh.shape[-1])
+  s_ctx_bakgis = jnp.einsum("baikgh,bskh->bakgis", q_baikgh, k_ctx_bskh,
+                            preferred_element_type=jnp.float32) * scale
+  visible_bas = jnp.arange(k_ctx_bskh.shape[1])[None, None, :] < anchors_ba[:, :, None]
+  s_ctx_bakgis = jnp.where(visible_bas[:, :, None, None, None, :], s_ctx_bakgis, -jnp.inf)
+  s_blk_bakgij = _block_scores(q_baikgh, k_bajkh, causal)
+
+  # Offset i always reads itself, so m is finite; the softmax does not depend on it.
+  m_bakgi = jax.lax.stop_gradient(jnp.maximum(s_ctx_bakgis.max(-1), s_blk_bakgij.max(-1)))
+  p_ctx_bakgis = jnp.exp(s_ctx_bakgis - m_bakgi[..., None])
+  p_blk_bakgij = jnp.exp(s_blk_bakgij - m_bakgi[..., None])
+  l_bakgi = p_ctx_bakgis.sum(-1) + p_blk_bakgij.sum(-1)
+  o_baikgh = (_mix(p_ctx_bakgis, v_ctx_bskh, "bakgis,bskh->baikgh")
+              + _mix(p_blk_bakgij, v_bajkh, "bakgij,bajkh->baikgh"))
+  return _finish(o_baikgh, l_bakgi, q_btnh.shape).astype(q_btnh.dtype)
+
+
+def _merge_in_block(o_ctx_btnh, lse_ctx_btn, q_btnh, k_blk_btkh, v_blk_btkh, num_anchors: int,
+                    causal: bool):
+  """Adds the in-block part to a normalized context part through its log-sum-exp."""
+  q_baikgh, k_bajkh, v_bajkh = _by_block(q_btnh, k_blk_btkh, v_blk_btkh, num_anchors)
+  lse_bakgi = lse_ctx_btn.reshape(q_baikgh.shape[:-1]).transpose(0, 1, 3, 4, 2)
+  s_blk_bakgij = _block_scores(q_baikgh, k_bajkh, causal)
+  m_bakgi = jax.lax.stop_gradient(jnp.maximum(lse_bakgi, s_blk_bakgij.max(-1)))
+  w_ctx_bakgi = jnp.exp(lse_bakgi - m_bakgi)
+  p_blk_bakgij = jnp.exp(s_blk_bakgij - m_bakgi[..., None])
+  l_bakgi = w_ctx_bakgi + p_blk_bakgij.sum(-1)
+  o_ctx_baikgh = o_ctx_btnh.reshape(q_baikgh.shape).astype(jnp.float32)
+  o_baikgh = (w_ctx_bakgi.transpose(0, 1, 4, 2, 3)[..., None] * o_ctx_baikgh
+              + _mix(p_blk_bakgij, v_bajkh, "bakgij,bajkh->baikgh"))
+  return _finish(o_baikgh, l_bakgi, q_btnh.shape).astype(q_btnh.dtype)
+
+
+def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
+                    k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
+                    causal: bool, *, impl: TrainAttentionImpl = "split", interpret: bool = False,
+                    block_kv: int = 64, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """Attention of A packed blocks over their context prefixes and themselves; output `[B, T, N, H]`.
+
+  q `[B, T, N, H]` and the block keys/values `[B, T, K, H]` hold A = anchors_ba.shape[1] blocks
+  of T / A rows (RoPE applied); context keys/values are `[B, S, K, H]`. Rows of anchor a read
+  context keys s < a and, inside their block, offsets j <= i (causal) or all of them. Query head
+  n uses kv head n // (N / K); float32 softmax, output in q's dtype. `impl`: "dense" (masked
+  reference), "split" (XLA) or "pallas" (the prefix part in a Triton kernel, see
+  `prefix_attention_pallas`, which the keyword arguments after `impl` tune).
+  """
+  num_anchors = anchors_ba.shape[1]
+  if q_btnh.shape[1] % num_anchors:
+    raise ValueError(f"{q_btnh.shape[1]} query rows do not split into {num_anchors} blocks")
+  with jax.named_scope("train_attention"):
+    args = (q_btnh, k_ctx_bskh, v_ctx_bskh, k_blk_btkh, v_blk_btkh, anchors_ba, causal)
+    if impl == "dense":
+      return train_attention_dense(*args)
+    if impl == "split":
+      return train_attention_split(*args)
+    if impl == "pallas":
+      o_ctx_btnh, lse_ctx_btn = prefix_attention_pallas(
+          q_btnh, k_ctx_bskh, v_ctx_bskh, anchors_ba, interpret=interpret, block_kv=block_kv,
+          num_warps=num_warps, num_stages=num_stages)
+      return _merge_in_block(o_ctx_btnh, lse_ctx_btn, q_btnh, k_blk_btkh, v_blk_btkh,
+                             num_anchors, causal)
+  raise ValueError(f"unknown train attention impl {impl!r}")

@@ -1,0 +1,381 @@
+"""Per-device memory of the jitted train step, compiled ahead of time on abstract shapes.
+
+No weights are read: the target's shape comes from its config.json, the random spec
+(`target.random_init`) or the config file's `target.shape` (the published architecture),
+and every argument of the step is a `jax.ShapeDtypeStruct` carrying its sharding. XLA
+compiles the step exactly as `loop.train_and_evaluate` jits it and reports its buffers;
+beside them sits an analytic estimate, so a reader sees which part dominates. A mesh
+larger than the host runs on fake CPU devices (see `use_host_devices`).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jetflow_jax import cli
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.errors import ConfigError
+from jetflow_jax.head_checkpoint import abstract_head_params
+from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.model import abstract_params
+from jetflow_jax.train import setup
+from jetflow_jax.train.loop import loss_config
+from jetflow_jax.train.sharding import batch_sharding, check_batch, make_mesh, param_sharding
+from jetflow_jax.train.step import TrainState, make_loss_fn, make_optimizer, make_train_step
+
+GIB = 2**30
+_REEXEC_MARK = "JETFLOW_MEMORY_REPORT_REEXEC"
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_CPU_UPCAST_NOTE = ("XLA's CPU backend upcasts bfloat16 matmul operands to float32, so it holds "
+                    "temporaries a GPU would not; buffers marked [f32 copy of bf16 param] are such "
+                    "copies of frozen target weights.")
+
+
+def devices_needed(config: ml_collections.ConfigDict) -> int:
+  """Devices the configured mesh uses; `mesh.data=-1` counts as one data row here."""
+  data, fsdp = config.mesh.data, config.mesh.fsdp
+  if fsdp < 1 or not (data >= 1 or data == -1):
+    raise ConfigError(f"mesh data={data} x fsdp={fsdp}: fsdp must be >= 1 and data >= 1 "
+                      "(or -1)")
+  return fsdp * max(data, 1)
+
+
+def use_host_devices(count: int) -> None:
+  """Makes jax start with `count` CPU devices; JAX_PLATFORMS, when set, still picks the platform.
+
+  Backend options only take effect before jax's first backend call. When that call
+  already happened with fewer devices, the process re-executes itself with
+  `XLA_FLAGS=--xla_force_host_platform_device_count=N`, once.
+  """
+  try:
+    jax.config.update("jax_num_cpu_devices", count)  # raises once backends are up
+  except RuntimeError:
+    if len(jax.devices()) >= count:
+      return
+    if os.environ.get(_REEXEC_MARK) or not os.path.isfile(sys.argv[0]):
+      raise ConfigError(f"the mesh needs {count} devices but jax started with "
+                        f"{len(jax.devices())}; start it with JAX_PLATFORMS=cpu "
+                        f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_REEXEC_MARK: "1"},
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}".strip())
+    print(f"memory report: re-running on {count} host CPU devices", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
+
+
+def target_config(config: ml_collections.ConfigDict) -> tuple[Qwen3Config, str]:
+  """The target's architecture and where it came from; never reads weights."""
+  if config.target.checkpoint or config.target.random_init:
+    source = "config.json" if config.target.checkpoint else "target.random"
+    return setup.target_config(config), source
+  shape = config.target.get("shape")
+  if shape:
+    return Qwen3Config(**shape.to_dict()), "target.shape"
+  raise ConfigError("the memory report needs the target's shape: set target.checkpoint (only "
+                    "its config.json is read), target.shape, or target.random_init=True")
+
+
+def abstract_arguments(config: ml_collections.ConfigDict, mesh, target: Qwen3Config,
+                       head: HeadConfig, optimizer) -> tuple:
+  """(state, target_params, tokens_bt, loss_mask_bt), placed as `train_and_evaluate` places them."""
+  place = lambda tree: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+      param_sharding(mesh, tree))
+  head_params = abstract_head_params(head)
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), head_params=head_params,
+                     opt_state=jax.eval_shape(optimizer.init, head_params))
+  target_params = abstract_params(target, cli.parse_dtype(config.target.dtype))
+  shape_bt = (config.train.batch_size, config.data.seq_len)
+  rows = batch_sharding(mesh)
+  tokens_bt = jax.ShapeDtypeStruct(shape_bt, jnp.int32, sharding=rows)
+  loss_mask_bt = jax.ShapeDtypeStruct(shape_bt, jnp.bool_, sharding=rows)
+  return place(state), place(target_params), tokens_bt, loss_mask_bt
+
+
+# --- reading XLA's buffer assignment (dumped next to the compile) ---
+
+def _strip_layout(shape: str) -> str:
+  return re.sub(r"\{[^{}]*\}", "", shape)
+
+
+def _shape_bytes(shape: str) -> int:
+  match = re.fullmatch(r"(\w+)\[([\d,]*)\]", shape)
+  if not match:
+    return 0
+  dims = [int(d) for d in match.group(2).split(",") if d]
+  return _DTYPE_BYTES.get(match.group(1), 4) * math.prod(dims)
+
+
+def _hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """Instruction name -> (result shape, jax op name) over every computation of an HLO module.
+
+  XLA leaves some fusions and copies without metadata; they borrow the op name of the
+  computation they call, else of their first named operand.
+  """
+  shapes, names, calls, operands, first_in = {}, {}, {}, {}, {}
+  computation = None
+  for line in hlo_text.splitlines():
+    if " = " not in line and line.rstrip().endswith("{"):
+      header = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)", line)
+      computation = header.group(1) if header else None
+      continue
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+) [\w\-]+\(([^)]*)\)", line)
+    if not match:
+      continue
+    name = match.group(1)
+    op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
+    names[name] = (op.group(1).replace("\\'", "'").replace('\\"', '"')
+                   .removeprefix("jit(train_step)/") if op else "")
+    shapes[name] = _strip_layout(match.group(2))
+    operands[name] = re.findall(r"%([\w.\-]+)", match.group(3))
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    if called:
+      calls[name] = called.group(1)
+    if computation and names[name]:
+      first_in.setdefault(computation, names[name])
+  resolve = lambda n: (names[n] or first_in.get(calls.get(n), "")
+                       or next((names[o] for o in operands[n] if names.get(o)), ""))
+  return {n: (shapes[n], resolve(n)) for n in names}
+
+
+def _allocation_kind(header: str) -> str:
+  """What an allocation of a buffer-assignment dump holds, from its header line."""
+  if "parameter" in header:
+    return "argument"
+  if "output shape" in header or "maybe-live-out" in header:
+    return "output"  # outputs that do not reuse a donated argument
+  if "thread-local" in header or "constant" in header:
+    return "thread-local" if "thread-local" in header else "constant"
+  return "temporary"
+
+
+def _buffer_assignment(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, int]]:
+  """From a `*-buffer-assignment.txt` dump: value name -> (kind, shape), and bytes per kind."""
+  values, totals, kind = {}, {}, "temporary"
+  for line in text.splitlines():
+    header = re.match(r"allocation \d+: size (\d+), (.*)$", line)
+    if header:
+      kind = _allocation_kind(header.group(2))
+      totals[kind] = totals.get(kind, 0) + int(header.group(1))
+      continue
+    value = re.match(r"\s*value: <\d+ (\S+) @\d+> \(size=\d+,offset=\d+\): (.+)$", line)
+    if value:
+      values[value.group(1)] = (kind, _strip_layout(value.group(2).strip()))
+  return values, totals
+
+
+def _peak_live(live_range_text: str) -> list[tuple[str, int]]:
+  """(value name, bytes) of every buffer live at the peak, from a `*-live-range.txt` dump."""
+  live, inside = [], False
+  for line in live_range_text.splitlines():
+    if re.match(r"\s*Live ranges at \d+ \(peak\):", line):
+      inside = True
+      continue
+    entry = re.match(r"\s*(\S+): (\d+) bytes", line) if inside else None
+    if inside and not entry:
+      break
+    if entry:
+      live.append((entry.group(1), int(entry.group(2))))
+  return live
+
+
+def _read_dump(dump_dir: str, suffix: str) -> str:
+  paths = sorted(glob.glob(os.path.join(dump_dir, f"*train_step*after_optimizations{suffix}")))
+  if not paths:
+    return ""
+  with open(paths[-1]) as f:
+    return f.read()
+
+
+def _upcast_shapes(target_params) -> set[str]:
+  """f32 shapes of every bf16 target weight: whole, per-device shard, and transposed."""
+  shapes = set()
+  for leaf in jax.tree.leaves(target_params):
+    if leaf.dtype != jnp.bfloat16:
+      continue
+    for dims in (leaf.shape, leaf.sharding.shard_shape(leaf.shape)):
+      for order in (dims, dims[::-1]):
+        shapes.add(f"f32[{','.join(map(str, order))}]")
+  return shapes
+
+
+def read_buffers(dump_dir: str, hlo_text: str, target_params, limit: int) -> dict:
+  """XLA's own account of the step's buffers, from the dump it wrote while compiling.
+
+  `largest_buffers`: the biggest buffers live at the peak of XLA's live ranges (without
+  the dump, the largest result shapes of the optimized HLO, live or not);
+  `peak_live_bytes`: everything live at that peak; `allocation_bytes`: the buffer
+  assignment's allocations summed by kind (empty when not dumped), a second account of
+  `memory_analysis()` that also shows thread-local scratch and constants.
+  """
+  ops = _hlo_ops(_read_dump(dump_dir, ".txt") or hlo_text)
+  values, allocations = _buffer_assignment(_read_dump(dump_dir, "-buffer-assignment.txt"))
+  live = _peak_live(_read_dump(dump_dir, "-live-range.txt"))
+  upcast = _upcast_shapes(target_params)
+  rows = []
+  for name, size in live:
+    bare = name[:-2] if name.endswith("{}") else name
+    kind, shape = values.get(name) or values.get(bare) or ("temporary", ops.get(bare, ("?",))[0])
+    rows.append({"name": bare, "kind": kind, "shape": shape, "bytes": size,
+                 "op": ops.get(re.sub(r"\{[\d,]*\}$", "", bare), ("", ""))[1],
+                 "f32_copy_of_bf16_param": kind == "temporary" and shape in upcast})
+  if not live:
+    for name, (shape, op) in ops.items():
+      rows.append({"name": name, "kind": "hlo value", "shape": shape, "bytes": _shape_bytes(shape),
+                   "op": op, "f32_copy_of_bf16_param": shape in upcast})
+  rows.sort(key=lambda r: -r["bytes"])
+  return {"largest_buffers": rows[:limit], "peak_live_bytes": sum(size for _, size in live),
+          "allocation_bytes": allocations}
+
+
+# --- the analytic estimate ---
+
+def _per_device_bytes(tree) -> int:
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def analytic_estimate(config: ml_collections.ConfigDict, mesh, target: Qwen3Config,
+                      head: HeadConfig, state, target_params) -> dict[str, int]:
+  """Per-device bytes of the step's big parts, by formula (what dominates, not an exact sum)."""
+  b = config.train.batch_size // mesh.size
+  length, anchors, depth = config.data.seq_len, config.train.num_anchors, head.depth
+  rows = anchors * head.block_size  # packed block rows of the head forward
+  keys = length + rows  # context slots + block slots
+  compute = jnp.dtype(cli.parse_dtype(config.head.dtype)).itemsize
+  frozen = jnp.dtype(cli.parse_dtype(config.target.dtype)).itemsize
+  head_bytes = _per_device_bytes(state.head_params)
+  full_target = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target_params))
+  return {
+      "frozen target, sharded (argument)": _per_device_bytes(target_params),
+      "frozen target, one unsharded copy (if gathered at once)": full_target,
+      "head params, float32": head_bytes,
+      "optimizer state (Adam mu, nu)": _per_device_bytes(state.opt_state),
+      "head gradients, float32": head_bytes,
+      "logits: teacher, draft, draft grad (3 x [b,A,k,V] f32)":
+          3 * b * anchors * depth * target.vocab_size * 4,
+      "head attention probs, all layers ([b,N,A*block,T+A*block] f32)":
+          head.num_layers * b * head.num_attention_heads * rows * keys * 4,
+      "head MLP and residual activations, all layers":
+          head.num_layers * b * rows * (3 * head.intermediate_size + 4 * head.hidden_size)
+          * compute,
+      "target attention scores, one layer ([b,N,T,T] f32)":
+          b * target.num_attention_heads * length * length * 4,
+      "target taps ([b,T,taps,D]) and head K/V caches (L x 2 x [b,T+A*block,K,H])":
+          b * length * head.num_taps * target.hidden_size * frozen
+          + head.num_layers * 2 * b * keys * head.num_key_value_heads * head.head_dim * compute,
+  }
+
+
+# --- the report ---
+
+def memory_report(config: ml_collections.ConfigDict, limit: int = 16) -> dict:
+  """Compiles the train step for the configured mesh on abstract inputs; returns the numbers."""
+  count = devices_needed(config)
+  use_host_devices(count)
+  target, source = target_config(config)
+  head = setup.head_config(config, target)
+  mesh = make_mesh(config.mesh.data, config.mesh.fsdp, devices=jax.devices()[:count])
+  t = config.train
+  check_batch(mesh, t.batch_size)
+  losses = loss_config(config)
+  # The schedule's length does not change any shape; any positive step count compiles the same.
+  optimizer, schedule = make_optimizer(t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip,
+                                       max(t.num_steps, 1000), t.warmup_frac, t.final_lr_frac)
+  state, target_params, tokens_bt, loss_mask_bt = abstract_arguments(config, mesh, target, head,
+                                                                     optimizer)
+  train_step = jax.jit(make_train_step(make_loss_fn(head, target, losses), optimizer,
+                                       schedule, t.seed), donate_argnames=("state",))
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory() as dump_dir:
+    compiled = train_step.lower(state, target_params, tokens_bt, loss_mask_bt).compile(
+        compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    buffers = read_buffers(dump_dir, compiled.as_text(), target_params, limit)
+  arguments, outputs = stats.argument_size_in_bytes, stats.output_size_in_bytes
+  aliased, temporaries = stats.alias_size_in_bytes, stats.temp_size_in_bytes
+  platform = jax.devices()[0].platform
+  return {
+      "num_devices": mesh.size,
+      "platform": platform,
+      "mesh": dict(mesh.shape),
+      "compile_seconds": round(seconds, 1),
+      "target": {"source": source, "layers": target.num_hidden_layers,
+                 "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+                 "num_experts": target.num_experts, "dtype": config.target.dtype},
+      "head": {"layers": head.num_layers, "block_size": head.block_size, "causal": head.causal,
+               "dtype": config.head.dtype},
+      "batch_size": t.batch_size,
+      "batch_per_device": t.batch_size // mesh.size,
+      "seq_len": config.data.seq_len,
+      "num_anchors": t.num_anchors,
+      # Donated state: `aliased` output bytes reuse argument buffers, so they count once.
+      "per_device_bytes": {"arguments": arguments, "outputs": outputs, "aliased": aliased,
+                           "temporaries": temporaries,
+                           "total": arguments + outputs - aliased + temporaries},
+      **buffers,
+      "f32_copies_of_bf16_params_bytes": sum(b["bytes"] for b in buffers["largest_buffers"]
+                                             if b["f32_copy_of_bf16_param"]),
+      "estimate_bytes": analytic_estimate(config, mesh, target, head, state, target_params),
+  }
+
+
+def _size(n: int) -> str:
+  return f"{n / GIB:8.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_report(report: dict) -> str:
+  """The report as text: XLA's analysis, the buffers live at its peak, the estimate."""
+  r, m = report, report["per_device_bytes"]
+  target, head = r["target"], r["head"]
+  experts = f", {target['num_experts']} experts" if target["num_experts"] else ""
+  lines = [
+      f"target: {target['layers']} layers, hidden {target['hidden_size']}, vocab "
+      f"{target['vocab_size']}{experts}, {target['dtype']} (from {target['source']}); head: "
+      f"{head['layers']} layers, block {head['block_size']}, compute {head['dtype']}",
+      f"mesh {r['mesh']} on {r['num_devices']} {r['platform']} devices; batch {r['batch_size']} "
+      f"({r['batch_per_device']} per device), seq {r['seq_len']}, {r['num_anchors']} anchors; "
+      f"compiled in {r['compile_seconds']:.1f} s",
+      "",
+      "XLA memory analysis, per device:",
+      f"  arguments    {_size(m['arguments'])}",
+      f"  outputs      {_size(m['outputs'])}",
+      f"  aliased      {_size(m['aliased'])}  (donated state: outputs written over arguments)",
+      f"  temporaries  {_size(m['temporaries'])}",
+      f"  total        {_size(m['total'])}  (arguments + outputs - aliased + temporaries)",
+  ]
+  if r["peak_live_bytes"]:
+    lines.append(f"  peak live    {_size(r['peak_live_bytes'])}  (XLA's live ranges; temporaries "
+                 "share one allocation, with gaps)")
+  lines += ["", "Largest buffers live at the peak:" if r["peak_live_bytes"]
+            else "Largest values in the optimized HLO (no live-range dump):"]
+  for b in r["largest_buffers"]:
+    flag = "  [f32 copy of bf16 param]" if b["f32_copy_of_bf16_param"] else ""
+    op = b["op"] if len(b["op"]) <= 64 else "..." + b["op"][-61:]
+    lines.append(f"  {_size(b['bytes'])}  {b['kind']:<9} {b['shape']:<26} {op}{flag}")
+  estimate = r["estimate_bytes"]
+  lines += ["", "Analytic estimate, per device (b batch per device, A anchors, k depth, V vocab, "
+            "N heads, T seq):"]
+  for name, n in sorted(estimate.items(), key=lambda kv: -kv[1]):
+    lines.append(f"  {_size(n)}  {name}")
+  if r["platform"] == "cpu" and "bfloat16" in (target["dtype"], head["dtype"]):
+    copies = r["f32_copies_of_bf16_params_bytes"]
+    lines += ["", f"Note: {_CPU_UPCAST_NOTE} " + (
+        f"Those above: {_size(copies).strip()}." if copies else "None is among those above.")]
+  return "\n".join(lines)

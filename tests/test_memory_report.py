@@ -1,0 +1,58 @@
+"""train.py --memory_report: the step compiled on abstract shapes over a 2-device fake mesh."""
+
+import json
+
+from conftest import run_cli
+from jetflow_jax.train import memory_report, setup
+
+# A small vocabulary keeps the compile to seconds; the mesh's 2 devices are fake CPU devices
+# the report asks jax for (the CLI subprocess starts with one).
+SMALL = ["--config.target.random.vocab_size=512", "--config.head.mask_token_id=511",
+         "--config.target.random.num_hidden_layers=3", "--config.head.target_layer_ids=(0,1)",
+         "--config.mesh.fsdp=2"]
+
+
+def report_args(*extra):
+  return ["train.py", "--config=configs/tiny.py", "--memory_report", *SMALL, *extra]
+
+
+def test_json_report_is_self_consistent():
+  done = run_cli(*report_args("--json"), timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(done.stdout)
+  assert report["num_devices"] == 2 and report["mesh"] == {"data": 1, "fsdp": 2}
+  assert report["platform"] == "cpu" and report["batch_per_device"] == 1
+  m = report["per_device_bytes"]
+  assert min(m["arguments"], m["outputs"], m["temporaries"], m["total"]) > 0
+  # The donated state's outputs are written over its argument buffers: counted once.
+  assert 0 < m["aliased"] <= min(m["arguments"], m["outputs"])
+  assert m["total"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
+  # XLA's buffer assignment accounts for the same bytes allocation by allocation.
+  allocations = report["allocation_bytes"]
+  assert allocations["argument"] == m["arguments"]
+  assert allocations["temporary"] == m["temporaries"]
+  assert allocations.get("output", 0) == m["outputs"] - m["aliased"]
+  assert 0 < report["peak_live_bytes"] <= m["total"]
+  buffers = report["largest_buffers"]
+  sizes = [b["bytes"] for b in buffers]
+  assert buffers and sizes == sorted(sizes, reverse=True)
+  assert sum(sizes) <= report["peak_live_bytes"]
+  assert all(b["shape"] and b["kind"] in ("argument", "output", "temporary") for b in buffers)
+  assert all(v > 0 for v in report["estimate_bytes"].values())
+  text = memory_report.format_report(report)
+  assert "temporaries" in text and "Largest buffers live at the peak" in text
+
+
+def test_bad_mesh_is_one_line():
+  done = run_cli(*report_args("--config.train.batch_size=3"), timeout=120)
+  assert done.returncode == 2 and "Traceback" not in done.stderr
+  assert done.stderr.strip() == "error: batch_size=3 must be a multiple of data x fsdp = 2"
+
+
+def test_published_shapes_fit_their_heads():
+  from configs import qwen3_4b, qwen3_8b, qwen3_30b_a3b
+  for module, layers in ((qwen3_8b, 36), (qwen3_4b, 36), (qwen3_30b_a3b, 48)):
+    config = module.get_config()
+    target, source = memory_report.target_config(config)
+    assert source == "target.shape" and target.num_hidden_layers == layers
+    setup.head_config(config, target)  # taps and widths fit the published shape
