@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 import jetflow_jax
+from conftest import run_cli
 from jetflow_jax import embedded
 from jetflow_jax.embedded import corpus
 from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
@@ -45,3 +46,30 @@ def test_shipped_target_loads_in_ours_and_transformers_and_decodes_alike():
   np.testing.assert_allclose(jetflow_jax.qwen3_forward(params, config, [prompt]), logits,
                              atol=1e-3, rtol=0)
 
+
+
+def test_shipped_heads_decode_exactly_like_ar():
+  from transformers import AutoTokenizer
+  from jetflow_jax.head_checkpoint import load_head
+  from jetflow_jax.speculative import speculative_generate
+  directory = embedded.default_target()
+  config, params = jetflow_jax.load_qwen3(directory)
+  prompt = AutoTokenizer.from_pretrained(directory).encode("import os\n\n\ndef walk(path):\n",
+                                                            add_special_tokens=False)
+  ar = speculative_generate(params, config, None, None, [prompt], 40, method="ar").tokens
+  for kind, method in (("jetflow", "jetflow"), ("dflash", "ddtree"), ("dflash", "dflash")):
+    head_config, head_params = load_head(embedded.default_head(kind))
+    assert head_config.causal == (kind == "jetflow") and head_config.mask_token_id == 1
+    out = speculative_generate(params, config, head_params, head_config, [prompt], 40,
+                               method=method, budget=16)
+    assert out.tokens == ar, method
+    assert out.tau > 1.0, method  # a trained head gets some drafts accepted
+
+
+def test_decode_with_only_a_prompt_streams_jetflow_on_the_embedded_pair():
+  done = run_cli("decode.py", "--prompt", "def fibonacci(n):", "--max-new-tokens", "24")
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip()
+  summary = done.stderr.strip().splitlines()[-1]
+  assert summary.startswith("[jetflow: 24 tokens") and "tau " in summary
+  assert "x over AR, identical to AR]" in summary
