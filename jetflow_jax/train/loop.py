@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,10 @@ import tqdm
 
 from jetflow_jax import cli
 from jetflow_jax.errors import ConfigError, JetflowError
-from jetflow_jax.head import init_head_params
+from jetflow_jax.head import RematPolicy, init_head_params
 from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.kernels.train_attention import TrainAttentionImpl
 from jetflow_jax.train import checkpointing, setup
 from jetflow_jax.train.data import make_dataset
 from jetflow_jax.train.losses import LOSSES
@@ -52,14 +54,26 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
     raise ConfigError(f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
   if t.loss_chunk_anchors < 0:
     raise ConfigError(f"train.loss_chunk_anchors={t.loss_chunk_anchors} must be >= 0")
-  if t.head_attention not in ("dense", "split", "pallas"):
-    raise ConfigError(f"train.head_attention={t.head_attention!r} is not dense, split or pallas")
-  if t.remat not in ("none", "full", "dots"):
-    raise ConfigError(f"train.remat={t.remat!r} is not none, full or dots")
+  for key, allowed in (("head_attention", get_args(TrainAttentionImpl)),
+                       ("remat", get_args(RematPolicy))):
+    if t[key] not in allowed:
+      raise ConfigError(f"train.{key}={t[key]!r} is not one of {', '.join(allowed)}")
   return LossConfig(kind=t.loss, temperature=t.temperature, depth_gamma=t.depth_gamma,
                     num_anchors=t.num_anchors, chunk_anchors=t.loss_chunk_anchors,
                     head_dtype=cli.parse_dtype(config.head.dtype),
                     head_attention=t.head_attention, remat=t.remat)
+
+
+def build_train_step(config: ml_collections.ConfigDict, head: HeadConfig, target,
+                     total_steps: int):
+  """(optimizer, schedule, jitted train step with the state donated) as `config` describes."""
+  t = config.train
+  optimizer, schedule = make_optimizer(t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip,
+                                       total_steps, t.warmup_frac, t.final_lr_frac)
+  loss_fn = make_loss_fn(head, target, loss_config(config))
+  train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, t.seed),
+                       donate_argnames=("state",))
+  return optimizer, schedule, train_step
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -67,7 +81,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   os.makedirs(workdir, exist_ok=True)
   t = config.train
-  losses = loss_config(config)
+  loss_config(config)  # a bad loss setting fails here, before any weights load
   # Everything checkable from config files is checked before the target's weights load.
   head = setup.head_config(config, setup.target_config(config))
   _check_head_config(workdir, head)
@@ -78,8 +92,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   dataset = make_dataset(records, config.data.seq_len, t.batch_size, config.data.shuffle_seed,
                          t.epochs)
   total_steps = min(len(dataset), t.num_steps) if t.num_steps > 0 else len(dataset)
-  optimizer, schedule = make_optimizer(t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip,
-                                       total_steps, t.warmup_frac, t.final_lr_frac)
+  optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
   target_params = jax.device_put(target_params, param_sharding(mesh, target_params))
   head_params = init_head_params(head, jax.random.key(t.seed))
@@ -99,9 +112,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state = TrainState(step=jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding),
                        head_params=head_params, opt_state=opt_state)
 
-  loss_fn = make_loss_fn(head, target, losses)
-  train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, t.seed),
-                       donate_argnames=("state",))
   rows = batch_sharding(mesh)
   writer = MetricsWriter(workdir, resume_step=start)
   last = {}

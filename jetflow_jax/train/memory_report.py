@@ -29,9 +29,9 @@ from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params
 from jetflow_jax.train import setup
-from jetflow_jax.train.loop import loss_config
+from jetflow_jax.train.loop import build_train_step
 from jetflow_jax.train.sharding import batch_sharding, check_batch, make_mesh, param_sharding
-from jetflow_jax.train.step import TrainState, make_loss_fn, make_optimizer, make_train_step
+from jetflow_jax.train.step import TrainState
 
 GIB = 2**30
 _REEXEC_MARK = "JETFLOW_MEMORY_REPORT_REEXEC"
@@ -293,14 +293,10 @@ def memory_report(config: ml_collections.ConfigDict, limit: int = 16) -> dict:
   mesh = make_mesh(config.mesh.data, config.mesh.fsdp, devices=jax.devices()[:count])
   t = config.train
   check_batch(mesh, t.batch_size)
-  losses = loss_config(config)
   # The schedule's length does not change any shape; any positive step count compiles the same.
-  optimizer, schedule = make_optimizer(t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip,
-                                       max(t.num_steps, 1000), t.warmup_frac, t.final_lr_frac)
+  optimizer, _, train_step = build_train_step(config, head, target, max(t.num_steps, 1000))
   state, target_params, tokens_bt, loss_mask_bt = abstract_arguments(config, mesh, target, head,
                                                                      optimizer)
-  train_step = jax.jit(make_train_step(make_loss_fn(head, target, losses), optimizer,
-                                       schedule, t.seed), donate_argnames=("state",))
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as dump_dir:
     compiled = train_step.lower(state, target_params, tokens_bt, loss_mask_bt).compile(
