@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 
-import jax
 
 from jetflow_jax import cli, embedded, hub
 from jetflow_jax.checkpoint import load_qwen3

@@ -150,19 +150,18 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
                      jnp.full((batch,), n - 1, jnp.int32), token_ids[:, -1], dtype)
 
 
-def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, anchors_ba,
-                    causal: bool, attention: TrainAttentionImpl):
+def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, context_positions_bt,
+                    anchors_ba, context_start_ba, causal: bool, attention: TrainAttentionImpl):
   """A head layer's own modules over the packed blocks, with packed-anchor attention."""
   # The context K/V are made here from the fused features, so remat recomputes them, not keeps them.
   attn, theta = layer.self_attn, layer.config.rope_theta
-  context_positions_bt = jnp.arange(features_btd.shape[1], dtype=jnp.int32)[None, :]
   with jax.named_scope("attention_block"):
     k_ctx_bskh, v_ctx_bskh = attn.keys_values(features_btd, context_positions_bt)
     h_btd = layer.input_layernorm(x_btd)
     q_btnh = apply_rope(attn.q_norm(attn.q_proj(h_btd)), positions_bt, theta)
     k_btkh, v_btkh = attn.keys_values(h_btd, positions_bt)
     out_btnh = train_attention(q_btnh, k_ctx_bskh, v_ctx_bskh, k_btkh, v_btkh, anchors_ba, causal,
-                               impl=attention,
+                               context_start_ba, impl=attention,
                                # Pallas has no CPU backend; there it runs interpreted.
                                interpret=jax.default_backend() == "cpu")
     x_btd = x_btd + attn.o_proj(out_btnh)
@@ -172,11 +171,15 @@ def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, anch
 
 def training_hidden(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
                     taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, *,
-                    attention: TrainAttentionImpl = "split", remat: RematPolicy = "none"):
+                    segment_starts_bt=None, attention: TrainAttentionImpl = "split",
+                    remat: RematPolicy = "none"):
   """Final-normed draft hidden `[B, A, depth, D]` for A anchors per sequence, one packed forward.
 
   Context rows are all T tokens' taps; anchor a's block reads rows < a and its own block only
   (the mask of `masks.training_mask`), so each block sees what it would see at decode time.
+  In rows packed with several samples, `segment_starts_bt` (`masks.segment_starts`) says where
+  each token's sample begins: blocks then read their own sample's rows only, and positions
+  count from the sample's start.
   `attention` picks how that mask is applied (see `kernels.train_attention`): "dense" (the
   masked reference), "split" (XLA, no cross-block scores) or "pallas" (Triton prefix kernel).
   `remat` recomputes each head layer in the backward pass: "none", "full" (keeps only the
@@ -189,7 +192,12 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
   anchor_tokens_ba = jnp.take_along_axis(tokens_bt, anchors_ba, axis=1)
   x_btd = embed_tokens(target_params, target_config,
                        _block_tokens(config, anchor_tokens_ba).reshape(batch, -1)).astype(dtype)
-  positions_bt = (anchors_ba[:, :, None] + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
+  if segment_starts_bt is None:
+    segment_starts_bt = jnp.zeros(tokens_bt.shape, jnp.int32)
+  context_positions_bt = jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - segment_starts_bt
+  context_start_ba = jnp.take_along_axis(segment_starts_bt, anchors_ba, axis=1)
+  positions_bt = ((anchors_ba - context_start_ba)[:, :, None]
+                  + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
   head = DraftHead(config, dtype)
   features_btd = head.apply({"params": head_params}, taps_btld.astype(dtype),
                             method=DraftHead.context_features)
@@ -201,15 +209,15 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
     if remat != "none":
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])
     # `DraftHead.setup` keeps its layers in a list, which Flax names layers_0, layers_1, ...
-    x_btd = run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd, anchors_ba)
+    x_btd = run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd,
+                context_positions_bt, anchors_ba, context_start_ba)
   hidden_btd = head.apply({"params": head_params}, x_btd, method=lambda h, x: h.norm(x))
   return hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
 
 
 def training_logits(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
-                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, *,
-                    attention: TrainAttentionImpl = "split", remat: RematPolicy = "none"):
-  """Draft logits `[B, A, depth, V]`: `training_hidden` through the target's LM head."""
+                    taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, **options):
+  """Draft logits `[B, A, depth, V]`: `training_hidden` (and its options) through the LM head."""
   hidden_bakd = training_hidden(head_params, config, target_params, target_config, taps_btld,
-                                tokens_bt, anchors_ba, dtype, attention=attention, remat=remat)
+                                tokens_bt, anchors_ba, dtype, **options)
   return lm_logits(target_params, target_config, hidden_bakd)

@@ -45,11 +45,38 @@ def test_rows_are_padded_cut_and_masked_on_the_response():
 
 def test_dataset_batches_and_reshuffles_each_epoch():
   records = [{"prompt_ids": [i], "response_ids": [i, i]} for i in range(6)]
-  batches = list(make_dataset(records, 4, 3, seed=0, epochs=2))
-  assert len(batches) == 4 and batches[0]["tokens"].shape == (3, 4)
+  iterator, num_batches = make_dataset(records, 4, 3, seed=0, epochs=2, pack=False)
+  batches = list(iterator)
+  assert len(batches) == num_batches == 4 and batches[0]["tokens"].shape == (3, 4)
   first = np.concatenate([b["tokens"][:, 0] for b in batches[:2]])
   second = np.concatenate([b["tokens"][:, 0] for b in batches[2:]])
   assert sorted(first) == sorted(second) == list(range(6)) and list(first) != list(second)
+
+
+def test_packed_rows_hold_whole_samples_once_per_epoch():
+  rng = np.random.default_rng(0)
+  records = [{"prompt_ids": [100 + i] * 2, "response_ids": [i] * int(rng.integers(1, 12))}
+             for i in range(30)]
+  iterator, num_batches = make_dataset(records, 16, 2, seed=0, epochs=2, pack=True)
+  batches = list(iterator)
+  assert len(batches) == num_batches and num_batches < 30  # fewer rows than samples
+  seen = []
+  for batch in batches:
+    assert set(batch) == {"tokens", "loss_mask", "segment_ids"}
+    for tokens, loss_mask, segment_ids in zip(batch["tokens"], batch["loss_mask"],
+                                              batch["segment_ids"]):
+      assert (np.diff(segment_ids[segment_ids > 0]) >= 0).all()  # samples are contiguous
+      assert not loss_mask[segment_ids == 0].any()
+      for segment in np.unique(segment_ids[segment_ids > 0]):
+        sample = tokens[segment_ids == segment]
+        i = int(sample[0]) - 100
+        expected = to_row(records[i], len(sample))
+        np.testing.assert_array_equal(sample, expected["tokens"])
+        np.testing.assert_array_equal(loss_mask[segment_ids == segment], expected["loss_mask"])
+        seen.append(i)
+  # Each sample once per epoch, bar those of the dropped last row (at most 16 // 3 of >= 3 tokens).
+  counts = np.bincount(seen, minlength=30)
+  assert counts.max() <= 2 and counts.sum() >= 2 * 30 - 16 // 3
 
 
 def test_bad_data_files_are_named(tmp_path):

@@ -1,7 +1,6 @@
 """Speculative decoding: greedy equals AR token for token, sampling matches the target exactly."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -19,37 +19,48 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 ARG_NAMES = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
 
-def make_case(seed, b=2, a=6, block=4, s=50, n=8, k=2, h=16, dtype=jnp.float32):
-  """Random q/k/v and duplicate-free anchors per row that include 0, 1, S - 1 and S."""
+def make_case(seed, b=2, a=6, block=4, s=50, n=8, k=2, h=16, dtype=jnp.float32, packed=False):
+  """Random q/k/v and duplicate-free anchors per row that include 0, 1, S - 1 and S.
+
+  `packed` cuts each row into samples at random boundaries: an anchor's context then starts
+  where its sample does (`starts`; all 0 otherwise).
+  """
   rng = np.random.default_rng(seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   edges = [0, 1, s - 1, s]
   anchors = [rng.permutation(edges + list(rng.choice(np.arange(2, s - 1), a - 4, replace=False)))
              for _ in range(b)]
   t = a * block
+  starts = np.zeros((b, a), int)
+  if packed:
+    for bi in range(b):
+      boundaries = np.concatenate([[0], np.sort(rng.choice(np.arange(2, s), 4, replace=False))])
+      starts[bi] = [boundaries[boundaries <= anchor].max() for anchor in anchors[bi]]
   return dict(q=normal(b, t, n, h), k_ctx=normal(b, s, k, h), v_ctx=normal(b, s, k, h),
               k_blk=normal(b, t, k, h), v_blk=normal(b, t, k, h),
-              anchors=jnp.asarray(np.stack(anchors), jnp.int32))
+              anchors=jnp.asarray(np.stack(anchors), jnp.int32),
+              starts=jnp.asarray(starts, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "impl", "block_kv"))
 def run(case, causal, impl, block_kv=16):
-  return train_attention(*(case[name] for name in ARG_NAMES), case["anchors"], causal, impl=impl,
-                         interpret=True, block_kv=block_kv)
+  return train_attention(*(case[name] for name in ARG_NAMES), case["anchors"], causal,
+                         case["starts"], impl=impl, interpret=True, block_kv=block_kv)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "impl"))
 def grads(case, causal, impl):
   """Gradients in q, k, v (context and block) of a fixed random projection of the output."""
   def loss(args):
-    out = train_attention(*args, case["anchors"], causal, impl=impl, interpret=True, block_kv=16)
+    out = train_attention(*args, case["anchors"], causal, case["starts"], impl=impl,
+                          interpret=True, block_kv=16)
     weights = jax.random.normal(jax.random.key(0), out.shape)
     return (out.astype(jnp.float32) * weights).sum()
   return jax.grad(loss)(tuple(case[name] for name in ARG_NAMES))
 
 
 def brute_force(case, causal) -> np.ndarray:
-  """Each block row separately: softmax over [context keys < anchor, its visible offsets]."""
+  """Each block row separately: softmax over [context keys start..anchor-1, visible offsets]."""
   c = {name: np.asarray(x, np.float64) for name, x in case.items()}
   b, t, n, h = c["q"].shape
   num_anchors, k_heads = c["anchors"].shape[1], c["k_ctx"].shape[2]
@@ -57,10 +68,11 @@ def brute_force(case, causal) -> np.ndarray:
   out = np.zeros((b, t, n, h))
   for bi in range(b):
     for ai, anchor in enumerate(c["anchors"][bi].astype(int)):
+      context = slice(int(c["starts"][bi, ai]), anchor)
       for i in range(block):
         offsets = ai * block + np.arange(i + 1 if causal else block)
-        keys = np.concatenate([c["k_ctx"][bi, :anchor], c["k_blk"][bi, offsets]])
-        values = np.concatenate([c["v_ctx"][bi, :anchor], c["v_blk"][bi, offsets]])
+        keys = np.concatenate([c["k_ctx"][bi, context], c["k_blk"][bi, offsets]])
+        values = np.concatenate([c["v_ctx"][bi, context], c["v_blk"][bi, offsets]])
         for ni in range(n):
           kv = ni // (n // k_heads)
           logits = keys[:, kv] @ c["q"][bi, ai * block + i, ni] / np.sqrt(h)
@@ -69,9 +81,11 @@ def brute_force(case, causal) -> np.ndarray:
   return out
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_dense_reference_matches_brute_force(causal):
-  case = make_case(0, b=2, a=5, block=3, s=20, n=4, k=2)
+def test_dense_reference_matches_brute_force(causal, packed):
+  case = make_case(0, b=2, a=5, block=3, s=20, n=4, k=2, packed=packed)
+  assert (np.asarray(case["starts"]) > 0).any() == packed
   np.testing.assert_allclose(run(case, causal, "dense"), brute_force(case, causal), atol=1e-5,
                              rtol=0)
 
@@ -80,18 +94,20 @@ def test_dense_reference_matches_brute_force(causal):
 SHAPES = [dict(a=6, block=4, s=50, n=8, k=2), dict(a=5, block=16, s=40, n=2, k=2)]
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-def test_split_and_pallas_equal_dense(causal, shape):
-  case = make_case(1, **shape)
+def test_split_and_pallas_equal_dense(causal, shape, packed):
+  case = make_case(1, **shape, packed=packed)
   expected = run(case, causal, "dense")
   for impl in ("split", "pallas"):
     np.testing.assert_allclose(run(case, causal, impl), expected, atol=1e-5, rtol=0, err_msg=impl)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_split_and_pallas_gradients_equal_dense(causal):
-  case = make_case(2, a=6, block=4, s=50, n=8, k=2)
+def test_split_and_pallas_gradients_equal_dense(causal, packed):
+  case = make_case(2, a=6, block=4, s=50, n=8, k=2, packed=packed)
   expected = grads(case, causal, "dense")
   for impl in ("split", "pallas"):
     for name, got, want in zip(ARG_NAMES, grads(case, causal, impl), expected):
@@ -190,9 +206,11 @@ def test_pallas_lowers_for_cuda_at_qwen3_8b_head_shapes():
   """32 query heads, 8 kv heads, H = 128, T = 3072 context rows, 512 anchors of 16, bf16."""
   b, s, a, block, n, k, h = 1, 3072, 512, 16, 32, 8, 128
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  # The last two: anchors, and where each anchor's sample starts (packed rows).
   args = (bf16(b, a * block, n, h), bf16(b, s, k, h), bf16(b, s, k, h), bf16(b, a * block, k, h),
-          bf16(b, a * block, k, h), jax.ShapeDtypeStruct((b, a), jnp.int32))
-  forward = lambda *x: train_attention(*x, True, impl="pallas")
+          bf16(b, a * block, k, h), jax.ShapeDtypeStruct((b, a), jnp.int32),
+          jax.ShapeDtypeStruct((b, a), jnp.int32))
+  forward = lambda *x: train_attention(*x[:6], True, x[6], impl="pallas")
   assert lower_for_cuda(forward, *args).count(TRITON_CALL) == 1
   # The backward adds the dq and the dk/dv kernels.
   backward = jax.grad(lambda *x: forward(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))

@@ -15,6 +15,7 @@ import jetflow_jax
 from jetflow_jax.generate import generate
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.masks import segment_starts
 from jetflow_jax.train.losses import depth_weights, kl_divergence, per_depth_loss
 from jetflow_jax.train.sharding import batch_sharding, make_mesh, param_sharding
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
@@ -205,3 +206,58 @@ def test_sharded_step_equals_single_device_step(tiny_setup):
   # an update difference of up to a few percent of lr (1e-3), hence atol 2e-5.
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=2e-5),
                sharded.head_params, single.head_params)
+
+
+def test_anchors_never_straddle_packed_samples():
+  segment_ids = np.repeat([[1, 2, 3, 0]], [12, 9, 14, 5], axis=1)
+  loss_mask = np.ones_like(segment_ids, bool)
+  loss_mask[:, [0, 1, 12, 21, 22]] = False  # the samples' prompts
+  loss_mask[segment_ids == 0] = False
+  starts = segment_starts(jnp.asarray(segment_ids))
+  anchors, valid = sample_anchors(jax.random.key(1), jnp.asarray(loss_mask), 40, starts)
+  chosen = np.asarray(anchors)[np.asarray(valid)]
+  # Every candidate is drawn: a response token, not its sample's last, nor its first.
+  expected = [a for a in range(39) if loss_mask[0, a] and loss_mask[0, a + 1]
+              and segment_ids[0, a] == segment_ids[0, a + 1] and a not in (0, 12, 21)]
+  assert sorted(chosen.tolist()) == expected
+
+
+@pytest.mark.parametrize("attention", ["split", "pallas"])
+def test_packed_row_gives_each_sample_its_own_losses(tiny_setup, attention):
+  """Three samples packed in one row: each one's loss, metrics and gradient equal its own row's."""
+  config, params, tokens, loss_mask = tiny_setup
+  head = head_for(config)
+  loss_fn = make_loss_fn(head, config, LossConfig(num_anchors=3, head_attention=attention))
+  head_params = init_head_params(head, jax.random.key(0))
+  length, sample_lengths = 80, (30, 20, 25)
+  # The last anchor of each sample sits near its end, so its deeper predictions fall outside it.
+  sample_anchors_ = ([8, 15, 27], [9, 12, 18], [8, 20, 23])
+
+  @functools.partial(jax.jit, static_argnames="packed")
+  def losses_and_grads(row_tokens, row_mask, segment_ids, anchors, packed=True):
+    target, _, _ = loss_fn.prepare(params, row_tokens, row_mask, jax.random.key(0),
+                                   segment_ids if packed else None)
+    grad_fn = jax.value_and_grad(loss_fn.at_anchors, has_aux=True)
+    return grad_fn(head_params, params, row_tokens, row_mask, target, anchors,
+                   jnp.ones(anchors.shape, bool))
+
+  def padded(x):
+    return jnp.asarray(np.pad(np.concatenate(x), (0, length - sum(map(len, x))))[None])
+
+  samples = [(tokens[i, :n], loss_mask[i, :n]) for i, n in enumerate(sample_lengths)]
+  packed_tokens, packed_mask = padded([t for t, _ in samples]), padded([m for _, m in samples])
+  segment_ids = padded([np.full(n, i + 1) for i, n in enumerate(sample_lengths)])
+  offsets = np.cumsum((0,) + sample_lengths)
+  for i, (sample_tokens, sample_mask) in enumerate(samples):
+    alone = losses_and_grads(padded([sample_tokens]), padded([sample_mask]), None,
+                             jnp.asarray([sample_anchors_[i]]), packed=False)
+    anchors = jnp.asarray([sample_anchors_[i]]) + offsets[i]
+    in_row = losses_and_grads(packed_tokens, packed_mask, segment_ids, anchors)
+    (loss, aux), grads = in_row
+    assert int(aux["num_predictions"]) == int(alone[0][1]["num_predictions"]) < 3 * head.depth
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5),
+                 (loss, aux, grads), (alone[0][0], alone[0][1], alone[1]))
+    if i > 0:  # without segment ids the later samples read their predecessors
+      (leaky_loss, _), _ = losses_and_grads(packed_tokens, packed_mask, segment_ids, anchors,
+                                            packed=False)
+      assert abs(float(leaky_loss) - float(loss)) > 1e-3

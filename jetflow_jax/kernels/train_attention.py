@@ -1,7 +1,8 @@
 """Head attention under the packed-anchor training mask, without the dense score matrix.
 
 The T = A * block query rows are A packed blocks `[x_a, MASK...]`: the block of anchor a reads
-the context keys s < a and its own block (causally or not, see `masks.in_block_mask`), nothing
+the context keys start_a <= s < a (start_a: where a's sample begins in a packed row, else 0) and
+its own block (causally or not, see `masks.in_block_mask`), nothing
 else. The dense reference scores every row against [context | all blocks] under
 `masks.training_mask`; the split forms score the context prefix (`[T, S]` in XLA, tile by tile
 and only below each anchor in the Pallas kernel) and each block against itself
@@ -26,10 +27,10 @@ TrainAttentionImpl = Literal["dense", "split", "pallas"]
 
 def train_attention_dense(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
                           k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
-                          causal: bool) -> jax.Array:
+                          causal: bool, context_start_ba: jax.Array) -> jax.Array:
   """Reference: masked attention over the context followed by every block."""
   block = q_btnh.shape[1] // anchors_ba.shape[1]
-  mask_bts = training_mask(anchors_ba, k_ctx_bskh.shape[1], block, causal)
+  mask_bts = training_mask(anchors_ba, k_ctx_bskh.shape[1], block, causal, context_start_ba)
   keys_bskh = jnp.concatenate([k_ctx_bskh, k_blk_btkh], axis=1)
   values_bskh = jnp.concatenate([v_ctx_bskh, v_blk_btkh], axis=1)
   return attention(q_btnh, keys_bskh, values_bskh, mask_bts)
@@ -65,14 +66,15 @@ def _finish(o_baikgh, l_bakgi, shape):
 
 def train_attention_split(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
                           k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
-                          causal: bool) -> jax.Array:
+                          causal: bool, context_start_ba: jax.Array) -> jax.Array:
   """XLA: context-prefix scores and in-block scores under one float32 softmax."""
   num_anchors = anchors_ba.shape[1]
   q_baikgh, k_bajkh, v_bajkh = _by_block(q_btnh, k_blk_btkh, v_blk_btkh, num_anchors)
   scale = 1.0 / math.sqrt(q_btnh.shape[-1])
   s_ctx_bakgis = jnp.einsum("baikgh,bskh->bakgis", q_baikgh, k_ctx_bskh,
                             preferred_element_type=jnp.float32) * scale
-  visible_bas = jnp.arange(k_ctx_bskh.shape[1])[None, None, :] < anchors_ba[:, :, None]
+  key_s = jnp.arange(k_ctx_bskh.shape[1])[None, None, :]
+  visible_bas = (key_s < anchors_ba[:, :, None]) & (key_s >= context_start_ba[:, :, None])
   s_ctx_bakgis = jnp.where(visible_bas[:, :, None, None, None, :], s_ctx_bakgis, -jnp.inf)
   s_blk_bakgij = _block_scores(q_baikgh, k_bajkh, causal)
 
@@ -104,13 +106,15 @@ def _merge_in_block(o_ctx_btnh, lse_ctx_btn, q_btnh, k_blk_btkh, v_blk_btkh, num
 
 def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
                     k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
-                    causal: bool, *, impl: TrainAttentionImpl = "split", interpret: bool = False,
+                    causal: bool, context_start_ba: jax.Array | None = None, *,
+                    impl: TrainAttentionImpl = "split", interpret: bool = False,
                     block_kv: int = 64, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
   """Attention of A packed blocks over their context prefixes and themselves; output `[B, T, N, H]`.
 
   q `[B, T, N, H]` and the block keys/values `[B, T, K, H]` hold A = anchors_ba.shape[1] blocks
   of T / A rows (RoPE applied); context keys/values are `[B, S, K, H]`. Rows of anchor a read
-  context keys s < a and, inside their block, offsets j <= i (causal) or all of them. Query head
+  context keys context_start_ba[a] <= s < a (start 0 by default; in packed rows, where a's
+  sample begins) and, inside their block, offsets j <= i (causal) or all of them. Query head
   n uses kv head n // (N / K); float32 softmax, output in q's dtype. `impl`: "dense" (masked
   reference), "split" (XLA) or "pallas" (the prefix part in a Triton kernel, see
   `prefix_attention_pallas`, which the keyword arguments after `impl` tune).
@@ -118,16 +122,19 @@ def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Ar
   num_anchors = anchors_ba.shape[1]
   if q_btnh.shape[1] % num_anchors:
     raise ValueError(f"{q_btnh.shape[1]} query rows do not split into {num_anchors} blocks")
+  if context_start_ba is None:
+    context_start_ba = jnp.zeros_like(anchors_ba)
   with jax.named_scope("train_attention"):
-    args = (q_btnh, k_ctx_bskh, v_ctx_bskh, k_blk_btkh, v_blk_btkh, anchors_ba, causal)
+    args = (q_btnh, k_ctx_bskh, v_ctx_bskh, k_blk_btkh, v_blk_btkh, anchors_ba, causal,
+            context_start_ba)
     if impl == "dense":
       return train_attention_dense(*args)
     if impl == "split":
       return train_attention_split(*args)
     if impl == "pallas":
       o_ctx_btnh, lse_ctx_btn = prefix_attention_pallas(
-          q_btnh, k_ctx_bskh, v_ctx_bskh, anchors_ba, interpret=interpret, block_kv=block_kv,
-          num_warps=num_warps, num_stages=num_stages)
+          q_btnh, k_ctx_bskh, v_ctx_bskh, anchors_ba, context_start_ba, interpret=interpret,
+          block_kv=block_kv, num_warps=num_warps, num_stages=num_stages)
       return _merge_in_block(o_ctx_btnh, lse_ctx_btn, q_btnh, k_blk_btkh, v_blk_btkh,
                              num_anchors, causal)
   raise ValueError(f"unknown train attention impl {impl!r}")

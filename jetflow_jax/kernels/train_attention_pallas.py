@@ -1,14 +1,15 @@
 """Pallas (Triton) context-prefix attention of the head's training pass, forward and backward.
 
 The T = A * block query rows are A packed blocks; the block of anchor a reads the context keys
-s < a (its in-block part is merged by the caller, see `train_attention`). A forward or dq program
-owns one (batch row, kv head, anchor): its rows are the G query heads of that kv head times the
-block's offsets, flattened offset-major (row r is offset r // G, head r % G) and padded to a power
-of two, so each K/V tile is loaded once for every head that shares it, and the tiles at or past
-the anchor are never read. A dk/dv program owns one key tile and visits only the anchors past it,
-walking them in sorted order. Scores live in the log2 domain (scaled by log2(e) / sqrt(H)) so the
-softmax uses exp2; the forward also returns the log-sum-exp, which lets the caller merge the
-in-block part exactly.
+start_a <= s < a, start_a being where a's sample begins in a packed row (its in-block part is
+merged by the caller, see `train_attention`). A forward or dq program owns one (batch row, kv
+head, anchor): its rows are the G query heads of that kv head times the block's offsets,
+flattened offset-major (row r is offset r // G, head r % G) and padded to a power of two, so each
+K/V tile is loaded once for every head that shares it, and the tiles outside [start, anchor) are
+never read. A dk/dv program owns one key tile and visits only the anchors that read it, walking
+them in sorted order. Scores live in the log2 domain (scaled by log2(e) / sqrt(H)) so the softmax
+uses exp2; the forward also returns the log-sum-exp, which lets the caller merge the in-block
+part exactly.
 """
 
 from __future__ import annotations
@@ -51,10 +52,28 @@ def _key_iota(start, block_kv: int):
   return start + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
 
 
-def _forward_kernel(anchor_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
-                    block_kv: int):
-  """Online softmax over the key tiles below this program's anchor."""
-  anchor = anchor_ref[()]
+def _visible(tile: int, block_kv: int, start, anchor):
+  keys_c = _key_iota(tile * block_kv, block_kv)
+  return (keys_c >= start) & (keys_c < anchor)
+
+
+def _over_tiles(body, carry, start, anchor, block_kv: int):
+  """Runs `body(i, carry, masked)` over the key tiles holding keys of [start, anchor).
+
+  Tiles wholly inside the range skip the mask; the partial tiles at either end apply it.
+  """
+  end = jnp.where(anchor > start, pl.cdiv(anchor, block_kv), 0)
+  first_full, last_full = pl.cdiv(start, block_kv), anchor // block_kv
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(start // block_kv, jnp.minimum(first_full, end), masked, carry)
+  carry = lax.fori_loop(first_full, last_full, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(jnp.maximum(first_full, last_full), end, masked, carry)
+
+
+def _forward_kernel(anchor_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                    scale_log2: float, block_kv: int):
+  """Online softmax over the key tiles of this program's [start, anchor)."""
+  anchor, start = anchor_ref[()], start_ref[()]
   rows, head_dim = q_ref.shape
   q_rh = q_ref[...]
 
@@ -63,9 +82,9 @@ def _forward_kernel(anchor_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_lo
     window = pl.ds(i * block_kv, block_kv)
     s_rc = _scores(q_rh, k_ref[window, :], scale_log2)
     if masked:
-      valid_c = _key_iota(i * block_kv, block_kv) < anchor
+      valid_c = _visible(i, block_kv, start, anchor)
       s_rc = jnp.where(jnp.broadcast_to(valid_c[None, :], s_rc.shape), s_rc, _MASK)
-    # Every tile visited holds a key below the anchor, so m is a real score and masked keys
+    # Every tile visited holds a key of [start, anchor), so m is a real score and masked keys
     # underflow to exactly zero probability.
     m_new_r = jnp.maximum(m_r, s_rc.max(axis=-1))
     alpha_r = jnp.exp2(m_r - m_new_r)
@@ -76,21 +95,19 @@ def _forward_kernel(anchor_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_lo
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
-  num_full = anchor // block_kv
-  carry = lax.fori_loop(0, num_full, functools.partial(tile, masked=False), carry)
-  o_rh, m_r, l_r = lax.fori_loop(num_full, pl.cdiv(anchor, block_kv),
-                                 functools.partial(tile, masked=True), carry)
-  # Anchor 0 reads no key: zeros out, and a log-sum-exp that weighs nothing in the merge.
+  o_rh, m_r, l_r = _over_tiles(tile, carry, start, anchor, block_kv)
+  # An empty range (anchor 0) reads no key: zeros out, and a log-sum-exp that weighs nothing in
+  # the merge.
   seen_r = l_r > 0.0
   l_r = jnp.where(seen_r, l_r, 1.0)
   o_ref[...] = (o_rh / l_r[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen_r, m_r + jnp.log2(l_r), _MASK)
 
 
-def _dq_kernel(anchor_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+def _dq_kernel(anchor_ref, start_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
                scale_log2: float, scale: float, block_kv: int):
   """dq of this program's rows, over the same key tiles its forward read."""
-  anchor = anchor_ref[()]
+  anchor, start = anchor_ref[()], start_ref[()]
   q_rh, do_rh = q_ref[...], do_ref[...]
   lse_r, delta_r = lse_ref[...], delta_ref[...]
 
@@ -99,22 +116,19 @@ def _dq_kernel(anchor_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_r
     k_ch = k_ref[window, :]
     p_rc = jnp.exp2(_scores(q_rh, k_ch, scale_log2) - lse_r[:, None])
     if masked:
-      valid_c = _key_iota(i * block_kv, block_kv) < anchor
+      valid_c = _visible(i, block_kv, start, anchor)
       p_rc = jnp.where(jnp.broadcast_to(valid_c[None, :], p_rc.shape), p_rc, 0.0)
     dp_rc = plgpu.dot(do_rh, v_ref[window, :].astype(do_rh.dtype), trans_b=True)
     ds_rc = p_rc * (dp_rc - delta_r[:, None])
     return dq_rh + plgpu.dot(ds_rc.astype(k_ch.dtype), k_ch)
 
-  dq_rh = jnp.zeros(q_rh.shape, jnp.float32)
-  num_full = anchor // block_kv
-  dq_rh = lax.fori_loop(0, num_full, functools.partial(tile, masked=False), dq_rh)
-  dq_rh = lax.fori_loop(num_full, pl.cdiv(anchor, block_kv), functools.partial(tile, masked=True),
-                        dq_rh)
+  dq_rh = _over_tiles(tile, jnp.zeros(q_rh.shape, jnp.float32), start, anchor, block_kv)
   dq_ref[...] = (dq_rh * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(first_ref, full_ref, anchors_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                 delta_ref, dk_ref, dv_ref, *, scale_log2: float, scale: float, rows: int):
+def _dkdv_kernel(first_ref, full_ref, mid_ref, last_ref, anchors_ref, starts_ref, q_ref, k_ref,
+                 v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale_log2: float,
+                 scale: float, rows: int):
   """dk, dv of one key tile from the anchors (sorted ascending) that read it."""
   block_kv = k_ref.shape[0]
   key_c = _key_iota(pl.program_id(2) * block_kv, block_kv)
@@ -126,7 +140,7 @@ def _dkdv_kernel(first_ref, full_ref, anchors_ref, q_ref, k_ref, v_ref, do_ref, 
     q_rh, do_rh = q_ref[window, :], do_ref[window, :]
     p_rc = jnp.exp2(_scores(q_rh, k_ch, scale_log2) - lse_ref[window][:, None])
     if masked:
-      valid_c = key_c < anchors_ref[a]
+      valid_c = (key_c < anchors_ref[a]) & (key_c >= starts_ref[a])
       p_rc = jnp.where(jnp.broadcast_to(valid_c[None, :], p_rc.shape), p_rc, 0.0)
     dv_ch = dv_ch + plgpu.dot(p_rc.astype(do_rh.dtype), do_rh, trans_a=True)
     dp_rc = plgpu.dot(do_rh, v_ch.astype(do_rh.dtype), trans_b=True)
@@ -134,11 +148,12 @@ def _dkdv_kernel(first_ref, full_ref, anchors_ref, q_ref, k_ref, v_ref, do_ref, 
     return dk_ch + plgpu.dot(ds_rc.astype(q_rh.dtype), q_rh, trans_a=True), dv_ch
 
   zeros = jnp.zeros(k_ch.shape, jnp.float32)
-  # Anchors [first, full) end inside this tile; those from `full` on read all of it.
-  carry = lax.fori_loop(first_ref[()], full_ref[()], functools.partial(anchor_rows, masked=True),
-                        (zeros, zeros))
-  dk_ch, dv_ch = lax.fori_loop(full_ref[()], anchors_ref.shape[0],
-                               functools.partial(anchor_rows, masked=False), carry)
+  masked, unmasked = (functools.partial(anchor_rows, masked=m) for m in (True, False))
+  # Anchors [first, full) end inside this tile, [full, mid) read all of it and [mid, last) start
+  # inside it (packed rows); anchors from `last` on belong to later samples.
+  carry = lax.fori_loop(first_ref[()], full_ref[()], masked, (zeros, zeros))
+  carry = lax.fori_loop(full_ref[()], mid_ref[()], unmasked, carry)
+  dk_ch, dv_ch = lax.fori_loop(mid_ref[()], last_ref[()], masked, carry)
   dk_ref[...] = (dk_ch * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv_ch.astype(dv_ref.dtype)
 
@@ -183,7 +198,7 @@ def _num_rows(block: int, group: int) -> int:
   return _next_pow2(max(block * group, _MIN_BLOCK))
 
 
-def _forward(q_btnh, k_bskh, v_bskh, anchors_ba, tuning: _Tuning):
+def _forward(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, tuning: _Tuning):
   """(out `[B, T, N, H]`, log2-domain log-sum-exp `[B, T, N]`) from the forward kernel."""
   b, t, n, h = q_btnh.shape
   k = k_bskh.shape[2]
@@ -196,35 +211,36 @@ def _forward(q_btnh, k_bskh, v_bskh, anchors_ba, tuning: _Tuning):
                              block_kv=tuning.block_kv)
   keys_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, ki, ai: (bi, 0, ki, 0))
   rows_spec = pl.BlockSpec((None, None, rows, h), lambda bi, ki, ai: (bi, ki, ai, 0))
+  anchor_spec = pl.BlockSpec((None, None), lambda bi, ki, ai: (bi, ai))
   o_bkrh, lse_bkr = pl.pallas_call(
       kernel, grid=(b, k, num_anchors),
-      in_specs=[pl.BlockSpec((None, None), lambda bi, ki, ai: (bi, ai)), rows_spec, keys_spec,
-                keys_spec],
+      in_specs=[anchor_spec, anchor_spec, rows_spec, keys_spec, keys_spec],
       out_specs=[rows_spec, pl.BlockSpec((None, None, rows), lambda bi, ki, ai: (bi, ki, ai))],
       out_shape=[jax.ShapeDtypeStruct(q_bkrh.shape, q_btnh.dtype),
                  jax.ShapeDtypeStruct(q_bkrh.shape[:3], jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
                                            num_stages=tuning.num_stages),
       interpret=tuning.interpret, name="train_prefix_attention",
-  )(anchors_ba, q_bkrh, k_bskh, v_bskh)
+  )(anchors_ba, starts_ba, q_bkrh, k_bskh, v_bskh)
   block = t // num_anchors
   return _from_rows(o_bkrh, num_anchors, block, n), _from_rows(lse_bkr, num_anchors, block, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _prefix_attention(q_btnh, k_bskh, v_bskh, anchors_ba, tuning: _Tuning):
-  o_btnh, lse2_btn = _forward(q_btnh, k_bskh, v_bskh, anchors_ba, tuning)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _prefix_attention(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, tuning: _Tuning):
+  o_btnh, lse2_btn = _forward(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, tuning)
   return o_btnh, lse2_btn / _LOG2_E
 
 
-def _prefix_attention_fwd(q_btnh, k_bskh, v_bskh, anchors_ba, tuning: _Tuning):
-  o_btnh, lse2_btn = _forward(q_btnh, k_bskh, v_bskh, anchors_ba, tuning)
-  return (o_btnh, lse2_btn / _LOG2_E), (q_btnh, k_bskh, v_bskh, anchors_ba, o_btnh, lse2_btn)
+def _prefix_attention_fwd(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, tuning: _Tuning):
+  o_btnh, lse2_btn = _forward(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, tuning)
+  return ((o_btnh, lse2_btn / _LOG2_E),
+          (q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, o_btnh, lse2_btn))
 
 
 def _prefix_attention_bwd(tuning: _Tuning, residuals, cotangents):
   """Flash-attention backward; the log-sum-exp's cotangent enters through delta."""
-  q_btnh, k_bskh, v_bskh, anchors_ba, o_btnh, lse2_btn = residuals
+  q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba, o_btnh, lse2_btn = residuals
   do_btnh, dlse_btn = cotangents
   b, t, n, h = q_btnh.shape
   s, k = k_bskh.shape[1], k_bskh.shape[2]
@@ -244,52 +260,63 @@ def _prefix_attention_bwd(tuning: _Tuning, residuals, cotangents):
   keys_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, ki, ai: (bi, 0, ki, 0))
   rows_spec = pl.BlockSpec((None, None, rows, h), lambda bi, ki, ai: (bi, ki, ai, 0))
   stat_spec = pl.BlockSpec((None, None, rows), lambda bi, ki, ai: (bi, ki, ai))
+  anchor_spec = pl.BlockSpec((None, None), lambda bi, ki, ai: (bi, ai))
   dq_bkrh = pl.pallas_call(
       functools.partial(_dq_kernel, block_kv=block_kv, **scales), grid=(b, k, num_anchors),
-      in_specs=[pl.BlockSpec((None, None), lambda bi, ki, ai: (bi, ai)), rows_spec, keys_spec,
-                keys_spec, rows_spec, stat_spec, stat_spec],
+      in_specs=[anchor_spec, anchor_spec, rows_spec, keys_spec, keys_spec, rows_spec, stat_spec,
+                stat_spec],
       out_specs=rows_spec, out_shape=jax.ShapeDtypeStruct(q_bkrh.shape, q_btnh.dtype),
       compiler_params=params, interpret=tuning.interpret, name="train_prefix_attention_dq",
-  )(anchors_ba, q_bkrh, k_pad_bskh, v_pad_bskh, do_bkrh, lse_bkr, delta_bkr)
+  )(anchors_ba, starts_ba, q_bkrh, k_pad_bskh, v_pad_bskh, do_bkrh, lse_bkr, delta_bkr)
 
-  # Sorted anchors make the readers of a key tile a suffix: [first, full) partly, [full, A) wholly.
+  # Samples are contiguous, so sorting by anchor sorts the starts too, and the readers of a key
+  # tile are one run of sorted anchors: [first, full) end inside the tile, [full, mid) read all
+  # of it, [mid, last) start inside it.
   order_ba = jnp.argsort(anchors_ba, axis=1)
   sorted_ba = jnp.take_along_axis(anchors_ba, order_ba, axis=1)
+  sorted_starts_ba = jnp.take_along_axis(starts_ba, order_ba, axis=1)
   tile_start_j = jnp.arange(s_pad // block_kv, dtype=jnp.int32) * block_kv
-  count = lambda side, bound_j: jax.vmap(
+  count = lambda sorted_ba, side, bound_j: jax.vmap(
       lambda a: jnp.searchsorted(a, bound_j, side=side).astype(jnp.int32))(sorted_ba)
-  first_bj, full_bj = count("right", tile_start_j), count("left", tile_start_j + block_kv)
+  first_bj = count(sorted_ba, "right", tile_start_j)
+  full_bj = count(sorted_ba, "left", tile_start_j + block_kv)
+  mid_bj = jnp.maximum(full_bj, count(sorted_starts_ba, "right", tile_start_j))
+  last_bj = count(sorted_starts_ba, "left", tile_start_j + block_kv)
   by_anchor = functools.partial(_sorted_rows, order_ba=order_ba, num_anchors=num_anchors)
   all_rows_spec = pl.BlockSpec((None, None, num_anchors * rows, h),
                                lambda bi, ki, ji: (bi, ki, 0, 0))
   all_stat_spec = pl.BlockSpec((None, None, num_anchors * rows), lambda bi, ki, ji: (bi, ki, 0))
   tile_spec = pl.BlockSpec((None, block_kv, None, h), lambda bi, ki, ji: (bi, ji, ki, 0))
   count_spec = pl.BlockSpec((None, None), lambda bi, ki, ji: (bi, ji))
+  all_anchors_spec = pl.BlockSpec((None, num_anchors), lambda bi, ki, ji: (bi, 0))
   dk_bskh, dv_bskh = pl.pallas_call(
       functools.partial(_dkdv_kernel, rows=rows, **scales), grid=(b, k, s_pad // block_kv),
-      in_specs=[count_spec, count_spec,
-                pl.BlockSpec((None, num_anchors), lambda bi, ki, ji: (bi, 0)), all_rows_spec,
-                tile_spec, tile_spec, all_rows_spec, all_stat_spec, all_stat_spec],
+      in_specs=([count_spec] * 4 + [all_anchors_spec] * 2
+                + [all_rows_spec, tile_spec, tile_spec, all_rows_spec, all_stat_spec,
+                   all_stat_spec]),
       out_specs=[tile_spec, tile_spec],
       out_shape=[jax.ShapeDtypeStruct(k_pad_bskh.shape, k_bskh.dtype),
                  jax.ShapeDtypeStruct(v_pad_bskh.shape, v_bskh.dtype)],
       compiler_params=params, interpret=tuning.interpret, name="train_prefix_attention_dkdv",
-  )(first_bj, full_bj, sorted_ba, by_anchor(q_bkrh), k_pad_bskh, v_pad_bskh, by_anchor(do_bkrh),
-    by_anchor(lse_bkr), by_anchor(delta_bkr))
-  return (_from_rows(dq_bkrh, num_anchors, block, n), dk_bskh[:, :s], dv_bskh[:, :s], None)
+  )(first_bj, full_bj, mid_bj, last_bj, sorted_ba, sorted_starts_ba, by_anchor(q_bkrh),
+    k_pad_bskh, v_pad_bskh, by_anchor(do_bkrh), by_anchor(lse_bkr), by_anchor(delta_bkr))
+  return (_from_rows(dq_bkrh, num_anchors, block, n), dk_bskh[:, :s], dv_bskh[:, :s], None, None)
 
 
 _prefix_attention.defvjp(_prefix_attention_fwd, _prefix_attention_bwd)
 
 
 def prefix_attention_pallas(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                            anchors_ba: jax.Array, *, interpret: bool = False, block_kv: int = 64,
-                            num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+                            anchors_ba: jax.Array, starts_ba: jax.Array | None = None, *,
+                            interpret: bool = False, block_kv: int = 64, num_warps: int = 4,
+                            num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
   """(out `[B, T, N, H]`, log-sum-exp `[B, T, N]`) of the packed rows over their context prefix.
 
-  q holds A = anchors_ba.shape[1] blocks of T / A rows (RoPE applied); row t reads the context
-  keys s < anchors_ba[b, t // (T / A)], with a float32 softmax; a row of anchor 0 reads nothing
-  and gets zeros and a log-sum-exp of about -2e38. Query head n uses kv head n // (N / K).
+  q holds A = anchors_ba.shape[1] blocks of T / A rows (RoPE applied); the rows of anchor a read
+  the context keys starts_ba[a] <= s < anchors_ba[a] (starts 0 by default; in packed rows the
+  first row of a's sample, so anchors sorted by position have sorted starts), with a float32
+  softmax; a row with no key to read gets zeros and a log-sum-exp of about -2e38. Query head n
+  uses kv head n // (N / K).
   Differentiable in q, k and v. block_kv: keys per tile, a power of two >= 16, as is H;
   `interpret=True` runs the kernels on CPU.
   """
@@ -304,5 +331,7 @@ def prefix_attention_pallas(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Ar
   if h < _MIN_BLOCK or h & (h - 1):
     raise ValueError(f"head_dim={h} must be a power of two >= {_MIN_BLOCK} for Triton")
   anchors_ba = jnp.clip(anchors_ba, 0, k_bskh.shape[1]).astype(jnp.int32)
-  return _prefix_attention(q_btnh, k_bskh, v_bskh, anchors_ba,
+  starts_ba = (jnp.zeros_like(anchors_ba) if starts_ba is None
+               else jnp.clip(starts_ba, 0, anchors_ba).astype(jnp.int32))
+  return _prefix_attention(q_btnh, k_bskh, v_bskh, anchors_ba, starts_ba,
                            _Tuning(interpret, block_kv, num_warps, num_stages))

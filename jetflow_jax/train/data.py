@@ -7,6 +7,8 @@ Input records (one JSON object per line) are any of
   {"prompt_ids": [1, 2, 3]}                 an already tokenized prompt
 each with an optional "id". Regenerated records (see `regenerate.py`) are
 {"id", "prompt_ids", "response_ids"}: the loss covers the response only.
+Rows hold one sample each (right-padded) or, with packing, as many as fit, told
+apart by `segment_ids` (1, 2, ... per sample, 0 on padding).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import numpy as np
 
 from jetflow_jax.errors import InputError
 from jetflow_jax.text import encode_chat
+
+# A batch's arrays, in the order the train step takes them; `segment_ids` only in packed rows.
+ROW_ARRAYS = ("tokens", "loss_mask", "segment_ids")
 
 
 def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
@@ -61,15 +66,18 @@ def prompt_ids(record: dict[str, Any], tokenizer, where: str) -> list[int]:
   return encode_chat(tokenizer, messages)
 
 
-def to_row(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:
-  """prompt + response, cut or right-padded to `seq_len`; the loss mask marks the response."""
+def to_sample(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:
+  """prompt + response, cut to `seq_len`; the loss mask marks the response."""
   prompt, response = record["prompt_ids"], record["response_ids"]
-  tokens = np.zeros((seq_len,), np.int32)
-  loss_mask = np.zeros((seq_len,), bool)
-  sequence = (list(prompt) + list(response))[:seq_len]
-  tokens[:len(sequence)] = sequence
-  loss_mask[len(prompt):len(sequence)] = True
-  return {"tokens": tokens, "loss_mask": loss_mask}
+  tokens = np.asarray((list(prompt) + list(response))[:seq_len], np.int32)
+  return {"tokens": tokens, "loss_mask": np.arange(len(tokens)) >= len(prompt)}
+
+
+def to_row(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:
+  """`to_sample` right-padded to `seq_len` (padding: token 0, outside the loss)."""
+  sample = to_sample(record, seq_len)
+  pad = seq_len - len(sample["tokens"])
+  return {name: np.pad(x, (0, pad)) for name, x in sample.items()}
 
 
 def load_regenerated(path: str, seq_len: int) -> list[dict[str, Any]]:
@@ -83,9 +91,30 @@ def load_regenerated(path: str, seq_len: int) -> list[dict[str, Any]]:
 
 
 def make_dataset(records: list[dict[str, Any]], seq_len: int, batch_size: int, seed: int,
-                 epochs: int) -> grain.MapDataset:
-  """Shuffled (differently each epoch), padded, batched rows; the last partial batch dropped."""
+                 epochs: int, pack: bool = False) -> tuple[grain.DatasetIterator, int]:
+  """(iterator over batches, number of batches): samples shuffled differently each epoch.
+
+  Without `pack`, one padded sample per row. With it, grain's first-fit packing fills
+  each row with whole samples (`segment_ids` tells them apart). The last partial batch
+  is dropped either way.
+  """
   if len(records) < batch_size:
     raise InputError(f"{len(records)} training records are fewer than batch_size={batch_size}")
-  return (grain.MapDataset.source(records).shuffle(seed=seed).repeat(epochs)
-          .map(lambda r: to_row(r, seq_len)).batch(batch_size, drop_remainder=True))
+  samples = grain.MapDataset.source(records).shuffle(seed=seed).repeat(epochs)
+  if not pack:
+    rows = samples.map(lambda r: to_row(r, seq_len)).batch(batch_size, drop_remainder=True)
+    return iter(rows), len(rows)
+
+  def packed_rows(samples: grain.MapDataset) -> grain.IterDataset:
+    return grain.experimental.FirstFitPackIterDataset(
+        samples.to_iter_dataset(), length_struct={"tokens": seq_len, "loss_mask": seq_len},
+        num_packing_bins=batch_size, shuffle_bins=False).map(
+            lambda row: {"tokens": row["tokens"], "loss_mask": row["loss_mask"],
+                         "segment_ids": row["tokens_segment_ids"]})
+
+  # An iterable dataset has no length: count the rows by packing the lengths alone.
+  lengths = samples.map(lambda r: {name: np.zeros(len(x), np.int8)
+                                   for name, x in to_sample(r, seq_len).items()})
+  num_rows = sum(1 for _ in packed_rows(lengths))
+  rows = packed_rows(samples.map(lambda r: to_sample(r, seq_len)))
+  return iter(rows.batch(batch_size, drop_remainder=True)), num_rows // batch_size

@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.regenerate_temperature = 0.0
   c.data.regenerate_seed = 0
   c.data.shuffle_seed = 0
+  c.data.pack = True  # fill rows with whole samples (short chats would waste 3072-token rows)
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 8

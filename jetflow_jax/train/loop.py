@@ -25,7 +25,7 @@ from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
 from jetflow_jax.train import checkpointing, setup
-from jetflow_jax.train.data import make_dataset
+from jetflow_jax.train.data import ROW_ARRAYS, make_dataset
 from jetflow_jax.train.losses import LOSSES
 from jetflow_jax.train.metrics import MetricsWriter
 from jetflow_jax.train.sharding import (batch_sharding, check_batch, make_mesh, param_sharding)
@@ -89,9 +89,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_batch(mesh, t.batch_size)
   target, target_params = setup.load_target(config)
   records = setup.training_records(config, workdir, target, target_params)
-  dataset = make_dataset(records, config.data.seq_len, t.batch_size, config.data.shuffle_seed,
-                         t.epochs)
-  total_steps = min(len(dataset), t.num_steps) if t.num_steps > 0 else len(dataset)
+  iterator, num_batches = make_dataset(records, config.data.seq_len, t.batch_size,
+                                       config.data.shuffle_seed, t.epochs, config.data.pack)
+  total_steps = min(num_batches, t.num_steps) if t.num_steps > 0 else num_batches
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
   target_params = jax.device_put(target_params, param_sharding(mesh, target_params))
@@ -100,7 +100,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      opt_state=optimizer.init(head_params))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.
   state = jax.device_put(state, param_sharding(mesh, state))
-  iterator = iter(dataset)
   manager = checkpointing.checkpoint_manager(workdir, t.checkpoint_every, t.keep_checkpoints)
   abstract = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -138,9 +137,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     while step < total_steps:
       batch = next(iterator)
-      tokens = jax.device_put(batch["tokens"], rows)
-      loss_mask = jax.device_put(batch["loss_mask"], rows)
-      state, metrics = train_step(state, target_params, tokens, loss_mask)
+      arrays = [jax.device_put(batch[name], rows) for name in ROW_ARRAYS if name in batch]
+      state, metrics = train_step(state, target_params, *arrays)
       step += 1
       if pending is not None:
         log(*pending)

@@ -92,7 +92,10 @@ def target_config(config: ml_collections.ConfigDict) -> tuple[Qwen3Config, str]:
 
 def abstract_arguments(config: ml_collections.ConfigDict, mesh, target: Qwen3Config,
                        head: HeadConfig, optimizer) -> tuple:
-  """(state, target_params, tokens_bt, loss_mask_bt), placed as `train_and_evaluate` places them."""
+  """(state, target_params, *row arrays), placed as `train_and_evaluate` places them.
+
+  The row arrays are tokens and loss mask, and segment ids when `data.pack` is on.
+  """
   place = lambda tree: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
       param_sharding(mesh, tree))
@@ -102,9 +105,9 @@ def abstract_arguments(config: ml_collections.ConfigDict, mesh, target: Qwen3Con
   target_params = abstract_params(target, cli.parse_dtype(config.target.dtype))
   shape_bt = (config.train.batch_size, config.data.seq_len)
   rows = batch_sharding(mesh)
-  tokens_bt = jax.ShapeDtypeStruct(shape_bt, jnp.int32, sharding=rows)
-  loss_mask_bt = jax.ShapeDtypeStruct(shape_bt, jnp.bool_, sharding=rows)
-  return place(state), place(target_params), tokens_bt, loss_mask_bt
+  row_arrays = [jax.ShapeDtypeStruct(shape_bt, dtype, sharding=rows)
+                for dtype in (jnp.int32, jnp.bool_, jnp.int32)[:3 if config.data.pack else 2]]
+  return place(state), place(target_params), *row_arrays
 
 
 # --- reading XLA's buffer assignment (dumped next to the compile) ---
@@ -295,11 +298,10 @@ def memory_report(config: ml_collections.ConfigDict, limit: int = 16) -> dict:
   check_batch(mesh, t.batch_size)
   # The schedule's length does not change any shape; any positive step count compiles the same.
   optimizer, _, train_step = build_train_step(config, head, target, max(t.num_steps, 1000))
-  state, target_params, tokens_bt, loss_mask_bt = abstract_arguments(config, mesh, target, head,
-                                                                     optimizer)
+  state, target_params, *row_arrays = abstract_arguments(config, mesh, target, head, optimizer)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as dump_dir:
-    compiled = train_step.lower(state, target_params, tokens_bt, loss_mask_bt).compile(
+    compiled = train_step.lower(state, target_params, *row_arrays).compile(
         compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()

@@ -14,6 +14,7 @@ import optax
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.head import training_hidden
 from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.masks import packed_causal_mask, segment_starts
 from jetflow_jax.model import forward, lm_logits
 from jetflow_jax.train.losses import depth_sums, depth_weights, mean_of_sums
 
@@ -38,22 +39,28 @@ class LossConfig:
 
 
 class TargetPass(NamedTuple):
-  """The frozen target's outputs the loss reads: final hidden `[B, T, D]`, taps `[B, T, L, D]`."""
+  """The frozen target's outputs the loss reads: final hidden `[B, T, D]`, taps `[B, T, L, D]`,
+  and where each token's sample starts in its row (`[B, T]`, 0 unless rows are packed)."""
   hidden_btd: jax.Array
   taps_btld: jax.Array
+  segment_starts_bt: jax.Array
 
 
-def sample_anchors(rng, loss_mask_bt, num_anchors: int):
+def sample_anchors(rng, loss_mask_bt, num_anchors: int, segment_starts_bt=None):
   """Up to `num_anchors` distinct anchor positions per row, uniformly among response tokens.
 
-  An anchor is a response token followed by another response token (so depth 1
-  has a label). Returns (anchors `[B, A]`, valid `[B, A]`); rows with fewer candidate
-  positions than A fill the rest with invalid anchors at position 0.
+  An anchor is a response token, not its sample's first, followed by another response
+  token of its sample (so depth 1 has a label and anchors never straddle packed samples).
+  Returns (anchors `[B, A]`, valid `[B, A]`); rows with fewer candidate positions than A
+  fill the rest with invalid anchors at position 0.
   """
-  length = loss_mask_bt.shape[1]
-  position = jnp.arange(length)
-  followed_bt = jnp.pad(loss_mask_bt[:, 1:], ((0, 0), (0, 1)))
-  candidate_bt = loss_mask_bt & followed_bt & (position >= 1)
+  index_bt = jnp.broadcast_to(jnp.arange(loss_mask_bt.shape[1]), loss_mask_bt.shape)
+  if segment_starts_bt is None:
+    segment_starts_bt = jnp.zeros_like(index_bt)
+  next_in_sample_bt = jnp.pad(segment_starts_bt[:, 1:] == segment_starts_bt[:, :-1],
+                              ((0, 0), (0, 1)))
+  followed_bt = jnp.pad(loss_mask_bt[:, 1:], ((0, 0), (0, 1))) & next_in_sample_bt
+  candidate_bt = loss_mask_bt & followed_bt & (index_bt > segment_starts_bt)
   # Gumbel top-k on a uniform score: A distinct positions drawn without replacement.
   scores = jnp.where(candidate_bt, jax.random.gumbel(rng, loss_mask_bt.shape), -jnp.inf)
   _, anchors_ba = jax.lax.top_k(scores, num_anchors)
@@ -86,26 +93,39 @@ def _sum_over_chunks(fn: Callable, chunk: int, *xs_ba):
 
 @dataclasses.dataclass(frozen=True)
 class DistillLoss:
-  """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng) -> (loss, aux)`, in parts.
+  """`loss_fn(head_params, target_params, tokens, loss_mask, rng[, segment_ids])`, in parts.
 
-  `prepare` (the frozen target's pass and the anchors) needs no gradient;
-  `at_anchors` is the part to differentiate, with respect to `head_params` only.
+  Returns (loss, aux). `segment_ids_bt` marks the samples of packed rows (equal ids:
+  one sample, contiguous); without it each row is one sample. `prepare` (the frozen
+  target's pass and the anchors) needs no gradient; `at_anchors` is the part to
+  differentiate, with respect to `head_params` only.
   """
 
   head_config: HeadConfig
   target_config: Qwen3Config
   config: LossConfig
 
-  def __call__(self, head_params, target_params, tokens_bt, loss_mask_bt, rng):
+  def __call__(self, head_params, target_params, tokens_bt, loss_mask_bt, rng,
+               segment_ids_bt=None):
     return self.at_anchors(head_params, target_params, tokens_bt, loss_mask_bt,
-                           *self.prepare(target_params, tokens_bt, loss_mask_bt, rng))
+                           *self.prepare(target_params, tokens_bt, loss_mask_bt, rng,
+                                         segment_ids_bt))
 
-  def prepare(self, target_params, tokens_bt, loss_mask_bt, rng):
+  def prepare(self, target_params, tokens_bt, loss_mask_bt, rng, segment_ids_bt=None):
     """(target pass, anchors `[B, A]`, anchor validity `[B, A]`) for one batch."""
-    hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
-                                       tap_layers=self.head_config.target_layer_ids)
-    target = TargetPass(*jax.lax.stop_gradient((hidden_btd, taps_btld)))
-    return (target, *sample_anchors(rng, loss_mask_bt, self.config.num_anchors))
+    tap_layers = self.head_config.target_layer_ids
+    if segment_ids_bt is None:
+      starts_bt = jnp.zeros(tokens_bt.shape, jnp.int32)
+      hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
+                                         tap_layers=tap_layers)
+    else:  # each sample sees only itself, at the positions it would have alone
+      starts_bt = segment_starts(segment_ids_bt)
+      hidden_btd, _, taps_btld = forward(
+          target_params, self.target_config, tokens_bt, tap_layers=tap_layers,
+          positions_bt=jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - starts_bt,
+          mask_bts=packed_causal_mask(starts_bt))
+    target = TargetPass(*jax.lax.stop_gradient((hidden_btd, taps_btld)), starts_bt)
+    return (target, *sample_anchors(rng, loss_mask_bt, self.config.num_anchors, starts_bt))
 
   def at_anchors(self, head_params, target_params, tokens_bt, loss_mask_bt, target: TargetPass,
                  anchors_ba, anchor_valid_ba):
@@ -118,9 +138,14 @@ class DistillLoss:
     gather = jax.vmap(lambda x, i: x[i])
     teacher_bakd = gather(target.hidden_btd, predicted_bak - 1)
     labels_bak = gather(tokens_bt, predicted_bak)
-    valid_bak = anchor_valid_ba[:, :, None] & in_row_bak & gather(loss_mask_bt, predicted_bak)
+    starts_bt = target.segment_starts_bt
+    in_sample_bak = (gather(starts_bt, predicted_bak)
+                     == jnp.take_along_axis(starts_bt, anchors_ba, axis=1)[:, :, None])
+    valid_bak = (anchor_valid_ba[:, :, None] & in_row_bak & in_sample_bak
+                 & gather(loss_mask_bt, predicted_bak))
     draft_bakd = training_hidden(head_params, self.head_config, target_params, self.target_config,
                                  target.taps_btld, tokens_bt, anchors_ba, self.config.head_dtype,
+                                 segment_starts_bt=starts_bt,
                                  attention=self.config.head_attention, remat=self.config.remat)
 
     def chunk_sums(draft_bckd, teacher_bckd, labels_bck, valid_bck):
@@ -145,25 +170,27 @@ class DistillLoss:
 
 def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
                  loss: LossConfig) -> DistillLoss:
-  """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng) -> (loss, aux)`.
+  """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng[, segment_ids_bt])`.
 
-  Only `head_params` is meant to be differentiated; the target is frozen.
+  Returns (loss, aux). Only `head_params` is meant to be differentiated; the target is frozen.
   """
   return DistillLoss(head_config, target_config, loss)
 
 
 def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformation,
                     schedule: Callable, seed: int) -> Callable:
-  """`train_step(state, target_params, tokens_bt, loss_mask_bt) -> (state, metrics)`, unjitted.
+  """`train_step(state, target_params, tokens_bt, loss_mask_bt[, segment_ids_bt])`, unjitted.
+
+  Returns (state, metrics).
 
   The step's randomness (anchor sampling) is `fold_in(seed, step)`, so a
   resumed run draws exactly what an uninterrupted one would.
   """
 
-  def train_step(state: TrainState, target_params, tokens_bt, loss_mask_bt):
+  def train_step(state: TrainState, target_params, tokens_bt, loss_mask_bt, segment_ids_bt=None):
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
     # The target runs outside differentiation, so none of its activations are kept for backprop.
-    inputs = loss_fn.prepare(target_params, tokens_bt, loss_mask_bt, rng)
+    inputs = loss_fn.prepare(target_params, tokens_bt, loss_mask_bt, rng, segment_ids_bt)
     grad_fn = jax.value_and_grad(loss_fn.at_anchors, has_aux=True)
     (loss, aux), grads = grad_fn(state.head_params, target_params, tokens_bt, loss_mask_bt,
                                  *inputs)
