@@ -39,11 +39,10 @@ class LossConfig:
 
 
 class TargetPass(NamedTuple):
-  """The frozen target's outputs the loss reads: final hidden `[B, T, D]`, taps `[B, T, L, D]`,
-  and where each token's sample starts in its row (`[B, T]`, 0 unless rows are packed)."""
-  hidden_btd: jax.Array
-  taps_btld: jax.Array
-  segment_starts_bt: jax.Array
+  """The frozen target's outputs the loss reads, and the row layout they were computed under."""
+  hidden_btd: jax.Array  # final normed hidden states
+  taps_btld: jax.Array  # the head's tapped layers
+  segment_starts_bt: jax.Array  # where each token's sample starts in its row (0 unless packed)
 
 
 def sample_anchors(rng, loss_mask_bt, num_anchors: int, segment_starts_bt=None):
@@ -95,7 +94,7 @@ def _sum_over_chunks(fn: Callable, chunk: int, *xs_ba):
 class DistillLoss:
   """`loss_fn(head_params, target_params, tokens, loss_mask, rng[, segment_ids])`, in parts.
 
-  Returns (loss, aux). `segment_ids_bt` marks the samples of packed rows (equal ids:
+  Returns (loss, aux). `segment_ids` marks the samples of packed rows (equal ids:
   one sample, contiguous); without it each row is one sample. `prepare` (the frozen
   target's pass and the anchors) needs no gradient; `at_anchors` is the part to
   differentiate, with respect to `head_params` only.
