@@ -12,7 +12,9 @@ PY=${PY:-.venv/bin/python}
 WORK=${WORK:-runs/embedded}
 OUT=jetflow_jax/embedded/checkpoints
 TOKENS=${TOKENS:-12e6}
-HEAD_STEPS=${HEAD_STEPS:-0}  # 0: configs/embedded.py's epochs
+# The shipped heads were trained in stages, each continuing the last with its cosine schedule
+# restarted over a longer run: epochs:steps (the agreement curve was still rising each time).
+HEAD_STAGES=${HEAD_STAGES:-"4:1000 8:1600 10:2400"}
 
 mkdir -p "$WORK"
 if [ ! -f "$OUT/target/model.safetensors" ]; then
@@ -23,9 +25,12 @@ fi
 [ -f "$WORK/prompts.jsonl" ] || $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" \
     --out "$WORK/prompts.jsonl" --count 4000
 for kind in jetflow dflash; do
-  $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
-      --config.data.prompts="$WORK/prompts.jsonl" \
-      --config.data.regenerated="$WORK/regenerated.jsonl" --config.train.num_steps=$HEAD_STEPS
+  for stage in $HEAD_STAGES; do
+    $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
+        --config.data.prompts="$WORK/prompts.jsonl" \
+        --config.data.regenerated="$WORK/regenerated.jsonl" \
+        --config.train.epochs="${stage%%:*}" --config.train.num_steps="${stage##*:}"
+  done
   rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
 done
 # The heads' bar: top-1 agreement with the target on continuations of held-out files.

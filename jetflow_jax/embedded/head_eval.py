@@ -2,7 +2,9 @@
 
 The target continues snippets of the held-out standard-library files (never trained
 on, by the target or the heads); at sampled response positions the head's top-1 guess
-at every depth is compared with the target's own top-1.
+at every depth is compared with the target's own top-1. The same on fresh snippets of
+the training files (another seed than the heads' prompts) separates what the heads
+overfit from what is new to both models.
 
   python -m jetflow_jax.embedded.head_eval --head runs/embedded/head_jetflow \
       --head runs/embedded/head_dflash [--save-quality]
@@ -27,10 +29,12 @@ from jetflow_jax.train.step import LossConfig, make_loss_fn
 SEQ_LEN = 304  # configs/embedded.py: 48 prompt tokens + 256 new ones
 
 
-def heldout_records(target_params, target_config, tokenizer, count: int,
+def snippet_records(target_params, target_config, tokenizer, count: int, heldout: bool = True,
                     max_new_tokens: int = SEQ_LEN - 48) -> list[dict]:
-  """The target's greedy continuations of `count` held-out snippets."""
-  prompts = snippet_prompts(tokenizer, count, prompt_tokens=48, seed=1, heldout=True)
+  """The target's greedy continuations of `count` held-out (or fresh training-file) snippets."""
+  # Seed 0 drew the heads' training prompts; 1 and 2 draw others.
+  prompts = snippet_prompts(tokenizer, count, prompt_tokens=48, seed=1 if heldout else 2,
+                            heldout=heldout)
   responses = generate(target_params, target_config, prompts, max_new_tokens).tokens
   return [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
 
@@ -54,7 +58,8 @@ def main(argv=None) -> None:
   parser.add_argument("--head", action="append", required=True,
                       help="head directory or train.py workdir (repeatable)")
   parser.add_argument("--target", default=None, help="default: the embedded target")
-  parser.add_argument("--count", type=int, default=64, help="held-out snippets")
+  parser.add_argument("--count", type=int, default=64,
+                      help="snippets per split (held-out files, fresh training-file snippets)")
   parser.add_argument("--save-quality", action="store_true",
                       help="write each head's results to HEAD/quality.json")
   args = parser.parse_args(argv)
@@ -65,16 +70,19 @@ def main(argv=None) -> None:
     from jetflow_jax.head_checkpoint import load_head
     target_dir = args.target or embedded.default_target()
     target_config, target_params = load_qwen3(target_dir)
-    records = heldout_records(target_params, target_config,
-                              AutoTokenizer.from_pretrained(target_dir), args.count)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    records = {split: snippet_records(target_params, target_config, tokenizer, args.count,
+                                      heldout=split == "heldout")
+               for split in ("heldout", "heldin")}
     for head in args.head:
       head_config, head_params = load_head(head)
-      agreement_k = agreement_by_depth(head_params, head_config, target_params, target_config,
-                                       records)
-      quality = {"heldout_agreement_k": [round(float(a), 4) for a in agreement_k],
-                 "num_heldout_snippets": args.count}
-      print(f"{head}: held-out top-1 agreement by depth "
-            + " ".join(f"{a:.2f}" for a in agreement_k))
+      quality = {"num_snippets": args.count}
+      for split, split_records in records.items():
+        agreement_k = agreement_by_depth(head_params, head_config, target_params, target_config,
+                                         split_records)
+        quality[f"{split}_agreement_k"] = [round(float(a), 4) for a in agreement_k]
+        print(f"{head}: {split} top-1 agreement by depth "
+              + " ".join(f"{a:.2f}" for a in agreement_k))
       if args.save_quality:
         with open(os.path.join(head, "quality.json"), "w") as f:
           json.dump(quality, f, indent=1)
