@@ -22,21 +22,29 @@ def in_block_mask(block_size: int, causal: bool) -> jax.Array:
   return jnp.ones((block_size, block_size), bool)
 
 
+def context_visible(anchors_ba: jax.Array, num_context: int,
+                    context_start_ba: jax.Array | None = None) -> jax.Array:
+  """[B, A, num_context]: anchor a's block reads context row j iff context_start <= j < a.
+
+  The start is 0 unless given (in a packed row: the first row of a's sample).
+  """
+  if context_start_ba is None:
+    context_start_ba = jnp.zeros_like(anchors_ba)
+  j = jnp.arange(num_context)[None, None, :]
+  return (j < anchors_ba[:, :, None]) & (j >= context_start_ba[:, :, None])
+
+
 def training_mask(anchors_ba: jax.Array, num_context: int, block_size: int, causal: bool,
                   context_start_ba: jax.Array | None = None) -> jax.Array:
   """[B, A * block, num_context + A * block] mask for many anchors packed in one forward.
 
-  Block rows of anchor a read context rows context_start <= j < a (start 0 unless
-  given: the first row of a's sample in a packed row) and, inside their own block,
-  offsets as `in_block_mask` says; other anchors' blocks are invisible.
+  Block rows of anchor a read the context rows `context_visible` gives them and, inside
+  their own block, offsets as `in_block_mask` says; other anchors' blocks are invisible.
   """
   batch, num_anchors = anchors_ba.shape
-  if context_start_ba is None:
-    context_start_ba = jnp.zeros_like(anchors_ba)
   row_anchor = jnp.repeat(jnp.arange(num_anchors), block_size)
-  row = lambda x_ba: jnp.repeat(x_ba, block_size, axis=1)[:, :, None]
-  j = jnp.arange(num_context)[None, None, :]
-  context = (j < row(anchors_ba)) & (j >= row(context_start_ba))
+  context = jnp.repeat(context_visible(anchors_ba, num_context, context_start_ba), block_size,
+                       axis=1)
   same_anchor = row_anchor[:, None] == row_anchor[None, :]
   offsets = jnp.tile(in_block_mask(block_size, causal), (num_anchors, num_anchors))
   blocks = jnp.broadcast_to(same_anchor & offsets, (batch,) + same_anchor.shape)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jetflow_jax.attention import attention
 from jetflow_jax.kernels.train_attention_pallas import prefix_attention_pallas
-from jetflow_jax.masks import in_block_mask, training_mask
+from jetflow_jax.masks import context_visible, in_block_mask, training_mask
 
 TrainAttentionImpl = Literal["dense", "split", "pallas"]
 
@@ -73,8 +73,7 @@ def train_attention_split(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: 
   scale = 1.0 / math.sqrt(q_btnh.shape[-1])
   s_ctx_bakgis = jnp.einsum("baikgh,bskh->bakgis", q_baikgh, k_ctx_bskh,
                             preferred_element_type=jnp.float32) * scale
-  key_s = jnp.arange(k_ctx_bskh.shape[1])[None, None, :]
-  visible_bas = (key_s < anchors_ba[:, :, None]) & (key_s >= context_start_ba[:, :, None])
+  visible_bas = context_visible(anchors_ba, k_ctx_bskh.shape[1], context_start_ba)
   s_ctx_bakgis = jnp.where(visible_bas[:, :, None, None, None, :], s_ctx_bakgis, -jnp.inf)
   s_blk_bakgij = _block_scores(q_baikgh, k_bajkh, causal)
 
