@@ -9,7 +9,7 @@ mapping in `hf_params.py` stays a table.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -21,6 +21,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
 
 Dtype = Any
+ExpertsImpl = Literal["ragged", "blocked"]
 
 
 @flax.struct.dataclass
@@ -111,10 +112,20 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-  """Softmax router, top-k experts, SwiGLU experts evaluated with grouped matmuls."""
+  """Softmax router, top-k experts, SwiGLU experts evaluated with grouped matmuls.
+
+  `experts` picks how the grouped matmuls run (both exact):
+  - `ragged`: the pairs of all rows sorted by expert, one `lax.ragged_dot` per
+    projection (a native grouped matmul on GPU and TPU; XLA on CPU expands it
+    densely over every expert);
+  - `blocked`: each row routes its own pairs (rows sharded over devices stay local)
+    into fixed-size blocks of one expert each, and a loop over the blocks runs plain
+    batched matmuls. Memory is the pairs themselves on every backend.
+  """
 
   config: Qwen3Config
   dtype: Dtype = jnp.float32
+  experts: ExpertsImpl = "ragged"
 
   @nn.compact
   def __call__(self, x_btd):
@@ -123,14 +134,18 @@ class MoE(nn.Module):
     d, f = c.hidden_size, c.moe_intermediate_size
     experts = _Experts(num_experts, d, f, self.dtype, name="experts")
     router_logits = nn.Dense(num_experts, use_bias=False, dtype=self.dtype, name="gate")(x_btd)
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights_btk, experts_btk = jax.lax.top_k(probs, top_k)
+    if c.norm_topk_prob:
+      weights_btk = weights_btk / weights_btk.sum(axis=-1, keepdims=True)
+    weights_btk = weights_btk.astype(self.dtype)
+    if self.experts == "blocked":
+      return _blocked_experts(experts, x_btd, experts_btk, weights_btk)
+    if self.experts != "ragged":
+      raise ValueError(f"unknown experts implementation {self.experts!r}: ragged | blocked")
 
     x_md = x_btd.reshape(-1, d)
-    probs = jax.nn.softmax(router_logits.reshape(-1, num_experts).astype(jnp.float32), axis=-1)
-    weights_mk, experts_mk = jax.lax.top_k(probs, top_k)
-    if c.norm_topk_prob:
-      weights_mk = weights_mk / weights_mk.sum(axis=-1, keepdims=True)
-    weights_mk = weights_mk.astype(self.dtype)
-
+    weights_mk, experts_mk = weights_btk.reshape(-1, top_k), experts_btk.reshape(-1, top_k)
     # Sort the (token, expert) pairs by expert so each expert sees one contiguous group.
     order = jnp.argsort(experts_mk.reshape(-1), stable=True)
     token_of_pair = order // top_k
@@ -141,23 +156,80 @@ class MoE(nn.Module):
     return y_md.reshape(x_btd.shape)
 
 
+EXPERT_BLOCK = 64  # pairs per block: padding costs at most EXPERT_BLOCK - 1 rows per expert
+
+
+def expert_blocks(experts_p: jax.Array, num_experts: int, block: int = EXPERT_BLOCK):
+  """(padded row of each pair `[P]`, expert of each block `[NB]`) for one row's pairs.
+
+  Pairs are laid out by expert, each expert's run padded to whole blocks, so every
+  block belongs to one expert. NB is the most blocks any routing can need.
+  """
+  num_pairs = experts_p.shape[0]
+  num_blocks = (num_pairs + num_experts * (block - 1)) // block
+  sizes_e = jnp.bincount(experts_p, length=num_experts)
+  blocks_e = -(-sizes_e // block)
+  block_ends_e = jnp.cumsum(blocks_e)
+  order_p = jnp.argsort(experts_p, stable=True)
+  sorted_experts_p = experts_p[order_p]
+  rank_in_group_p = jnp.arange(num_pairs) - (jnp.cumsum(sizes_e) - sizes_e)[sorted_experts_p]
+  sorted_rows_p = (block_ends_e - blocks_e)[sorted_experts_p] * block + rank_in_group_p
+  rows_p = jnp.zeros_like(sorted_rows_p).at[order_p].set(sorted_rows_p)
+  # Blocks past the last expert's run hold only zero rows; any expert will do for them.
+  block_experts = jnp.searchsorted(block_ends_e, jnp.arange(num_blocks), side="right")
+  return rows_p, jnp.minimum(block_experts, num_experts - 1)
+
+
+def _blocked_experts(experts: "_Experts", x_btd, experts_btk, weights_btk):
+  batch, length, d = x_btd.shape
+  top_k = experts_btk.shape[-1]
+  token_of_pair = jnp.arange(length * top_k) // top_k
+  rows_bp, block_experts_bn = jax.vmap(
+      lambda e: expert_blocks(e.reshape(-1), experts.num_experts, EXPERT_BLOCK))(experts_btk)
+  num_blocks = block_experts_bn.shape[1]
+  scatter = jax.vmap(lambda rows, x: jnp.zeros((num_blocks * EXPERT_BLOCK, d), x.dtype)
+                     .at[rows].set(x[token_of_pair]))
+  blocks_bncd = scatter(rows_bp, x_btd).reshape(batch, num_blocks, EXPERT_BLOCK, d)
+  y_bncd = experts.blocked(blocks_bncd, block_experts_bn)
+  y_bpd = jax.vmap(lambda y, rows: y[rows])(y_bncd.reshape(batch, -1, d), rows_bp)
+  y_bpd = y_bpd * weights_btk.reshape(batch, -1, 1)
+  y_btd = jnp.zeros_like(x_btd).at[:, token_of_pair].add(y_bpd.astype(x_btd.dtype))
+  return y_btd
+
+
 class _Experts(nn.Module):
   num_experts: int
   hidden_size: int
   intermediate_size: int
   dtype: Dtype
 
-  @nn.compact
-  def __call__(self, x_md, group_sizes_e):
+  def setup(self):
     e, d, f = self.num_experts, self.hidden_size, self.intermediate_size
     init = nn.initializers.lecun_normal(batch_axis=(0,))
-    gate_edf = self.param("gate_proj", init, (e, d, f))
-    up_edf = self.param("up_proj", init, (e, d, f))
-    down_efd = self.param("down_proj", init, (e, f, d))
+    self.gate_proj = self.param("gate_proj", init, (e, d, f))
+    self.up_proj = self.param("up_proj", init, (e, d, f))
+    self.down_proj = self.param("down_proj", init, (e, f, d))
+
+  def __call__(self, x_md, group_sizes_e):
+    """Expert outputs `[M, D]` for rows sorted by expert, `group_sizes_e` rows each."""
     x_md = x_md.astype(self.dtype)
     grouped = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(self.dtype), group_sizes_e)
-    hidden_mf = nn.silu(grouped(x_md, gate_edf)) * grouped(x_md, up_edf)
-    return grouped(hidden_mf, down_efd)
+    hidden_mf = nn.silu(grouped(x_md, self.gate_proj)) * grouped(x_md, self.up_proj)
+    return grouped(hidden_mf, self.down_proj)
+
+  def blocked(self, x_bncd, experts_bn):
+    """Expert outputs `[B, NB, C, D]` for blocks of C rows, block (b, n) all of expert e[b, n]."""
+    weights = [w.astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+
+    def one_block(args):  # the n-th block of every row: one expert's weights per row
+      x_bcd, e_b = args
+      gate_bdf, up_bdf, down_bfd = (w[e_b] for w in weights)
+      hidden_bcf = (nn.silu(jnp.einsum("bcd,bdf->bcf", x_bcd, gate_bdf))
+                    * jnp.einsum("bcd,bdf->bcf", x_bcd, up_bdf))
+      return jnp.einsum("bcf,bfd->bcd", hidden_bcf, down_bfd)
+
+    y_nbcd = jax.lax.map(one_block, (x_bncd.astype(self.dtype).swapaxes(0, 1), experts_bn.T))
+    return y_nbcd.swapaxes(0, 1)
 
 
 class DecoderLayer(nn.Module):
@@ -167,6 +239,7 @@ class DecoderLayer(nn.Module):
   layer: int
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
+  experts: ExpertsImpl = "ragged"
 
   def setup(self):
     c = self.config
@@ -174,7 +247,7 @@ class DecoderLayer(nn.Module):
     self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl)
     self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if c.is_moe_layer(self.layer):
-      self.mlp = MoE(c, dtype=self.dtype)
+      self.mlp = MoE(c, dtype=self.dtype, experts=self.experts)
     else:
       self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
 
@@ -194,11 +267,12 @@ class Qwen3(nn.Module):
   config: Qwen3Config
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
+  experts: ExpertsImpl = "ragged"
 
   def setup(self):
     c = self.config
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
-    self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl)
+    self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl, experts=self.experts)
                    for i in range(c.num_hidden_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if not c.tie_word_embeddings:
@@ -262,7 +336,7 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
 def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
             cache: KVCache | None = None, cache_index_b=None, mask_bts=None,
             tap_layers: Sequence[int] = (), dtype: Dtype | None = None,
-            impl: AttentionImpl = "xla", tree_mask_btt=None):
+            impl: AttentionImpl = "xla", tree_mask_btt=None, experts: ExpertsImpl = "ragged"):
   """One target forward. Returns (hidden `[B, T, D]`, cache, taps).
 
   Without a cache, the T rows attend to each other causally (or by `mask_bts`,
@@ -274,6 +348,8 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   cache is read-only: the rows see its first `cache_index_b[b]` slots and each
   other where the mask is True, and the returned `KVCache` holds their own keys
   and values (`[B, T, K, H]`), for the caller to commit the rows it keeps.
+
+  `experts` picks the MoE layers' grouped matmuls (see `MoE`).
   """
   batch, length = tokens_bt.shape
   if cache_index_b is None:
@@ -290,7 +366,7 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   elif mask_bts is None:
     mask_bts = causal_mask(slots_bt, cache.size)
   dtype = dtype or params_dtype(params)
-  model = Qwen3(config, dtype=dtype, impl=impl)
+  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers), tree_mask_btt)
 

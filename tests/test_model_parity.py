@@ -47,6 +47,10 @@ def test_logits_and_hidden_states_match_transformers(case, make_checkpoint, rng)
                              atol=HIDDEN_ATOL, rtol=0)
   np.testing.assert_allclose(np.asarray(lm_logits(params, config, final_hidden)), np.asarray(logits),
                              atol=LOGIT_ATOL, rtol=0)
+  if config.num_experts:  # the training pass's experts implementation, against the same oracle
+    blocked_hidden, _, _ = forward(params, config, tokens, experts="blocked")
+    np.testing.assert_allclose(np.asarray(blocked_hidden), hf_out.hidden_states[-1].numpy(),
+                               atol=HIDDEN_ATOL, rtol=0)
 
 
 def test_sharded_checkpoint_really_is_sharded(make_checkpoint):

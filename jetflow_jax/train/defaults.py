@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.loss_chunk_anchors = 32  # anchors whose vocabulary-wide logits exist at once; 0: all
   c.train.head_attention = "split"  # dense | split | pallas (GPU): the head's training mask
   c.train.remat = "none"  # none | full | dots: recompute head layers in the backward pass
+  # An MoE target's experts in the frozen pass: blocked (each row routes its own pairs; lean on
+  # any backend) | ragged (one lax.ragged_dot over the whole batch; dense on CPU)
+  c.train.target_experts = "blocked"
   c.train.loss = "forward_kl"  # forward_kl | reverse_kl | cross_entropy
   c.train.temperature = 1.0  # KL temperature (losses scaled by T^2)
   c.train.depth_gamma = 0.0  # > 0 weighs depth k by exp(-(k-1)/gamma)

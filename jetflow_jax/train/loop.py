@@ -24,6 +24,7 @@ from jetflow_jax.head import RematPolicy, init_head_params
 from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
+from jetflow_jax.model import ExpertsImpl
 from jetflow_jax.train import checkpointing, setup
 from jetflow_jax.train.data import ROW_ARRAYS, make_dataset
 from jetflow_jax.train.losses import LOSSES
@@ -55,13 +56,15 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   if t.loss_chunk_anchors < 0:
     raise ConfigError(f"train.loss_chunk_anchors={t.loss_chunk_anchors} must be >= 0")
   for key, allowed in (("head_attention", get_args(TrainAttentionImpl)),
-                       ("remat", get_args(RematPolicy))):
+                       ("remat", get_args(RematPolicy)),
+                       ("target_experts", get_args(ExpertsImpl))):
     if t[key] not in allowed:
       raise ConfigError(f"train.{key}={t[key]!r} is not one of {', '.join(allowed)}")
   return LossConfig(kind=t.loss, temperature=t.temperature, depth_gamma=t.depth_gamma,
                     num_anchors=t.num_anchors, chunk_anchors=t.loss_chunk_anchors,
                     head_dtype=cli.parse_dtype(config.head.dtype),
-                    head_attention=t.head_attention, remat=t.remat)
+                    head_attention=t.head_attention, remat=t.remat,
+                    target_experts=t.target_experts)
 
 
 def build_train_step(config: ml_collections.ConfigDict, head: HeadConfig, target,
