@@ -18,6 +18,19 @@ def test_held_out_files_are_never_training_files():
   assert len(train) > 500 and all(f.endswith(".py") for f in train)
 
 
+def test_test_suites_are_told_apart_and_get_their_share_of_each_batch():
+  from jetflow_jax.embedded.pretrain import training_batch
+  assert corpus.is_test_file("test/test_os.py") and corpus.is_test_file("unittest/test/x.py")
+  assert corpus.is_test_file("ctypes/tests/util.py") and corpus.is_test_file("test_x.py")
+  assert not corpus.is_test_file("os.py") and not corpus.is_test_file("unittest/case.py")
+  splits = {"train": np.zeros(100, np.uint16), "train_lib": np.ones(100, np.uint16),
+            "train_test": np.full(100, 2, np.uint16)}
+  rng = np.random.default_rng(0)
+  shared = training_batch(splits, rng, batch=8, seq_len=5, test_share=0.25)
+  assert shared.shape == (8, 6) and sorted(shared[:, 0].tolist()) == [1] * 6 + [2] * 2
+  assert (training_batch(splits, rng, batch=8, seq_len=5, test_share=None) == 0).all()
+
+
 def test_distinct_ngram_ratio():
   assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
   assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams

@@ -52,6 +52,12 @@ def read_source(relative: str, root: str | None = None) -> str:
     return f.read()
 
 
+def is_test_file(relative: str) -> bool:
+  """Lib/test and the packages' own test suites: about 65% of the training bytes."""
+  parts = relative.split("/")
+  return any(p in ("test", "tests") for p in parts[:-1]) or parts[-1].startswith("test_")
+
+
 def split_files(root: str | None = None) -> tuple[list[str], list[str]]:
   """(training files, held-out files); every held-out file must exist."""
   files = source_files(root)

@@ -44,7 +44,11 @@ def tokenize_files(tokenizer, files: list[str], eos_id: int) -> np.ndarray:
 
 
 def prepare_data(workdir: str):
-  """Tokenizer and tokenized splits, built once and cached in the workdir."""
+  """Tokenizer and tokenized splits, built once and cached in the workdir.
+
+  `train` is every training file; `train_lib` and `train_test` split it into library
+  modules and test suites, for runs that set the test files' share of each batch.
+  """
   from transformers import AutoTokenizer
   tok_dir = os.path.join(workdir, "tokenizer")
   if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -53,7 +57,10 @@ def prepare_data(workdir: str):
   eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
   splits = {}
   train_files, heldout_files = corpus.split_files()
-  for split, files in (("train", train_files), ("heldout", heldout_files)):
+  test_files = [f for f in train_files if corpus.is_test_file(f)]
+  lib_files = [f for f in train_files if not corpus.is_test_file(f)]
+  for split, files in (("train", train_files), ("heldout", heldout_files),
+                       ("train_lib", lib_files), ("train_test", test_files)):
     path = os.path.join(workdir, f"{split}_ids.npy")
     if not os.path.isfile(path):
       np.save(path + ".tmp.npy", tokenize_files(tokenizer, files, eos_id))
@@ -65,6 +72,16 @@ def prepare_data(workdir: str):
 def batch_windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int):
   starts = rng.integers(0, len(ids) - seq_len - 1, size=batch)
   return np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64)
+
+
+def training_batch(splits: dict, rng: np.random.Generator, batch: int, seq_len: int,
+                   test_share: float | None) -> np.ndarray:
+  """Windows drawn uniformly over all training files, or with a fixed share from test suites."""
+  if test_share is None:
+    return batch_windows(splits["train"], rng, batch, seq_len)
+  num_test = round(batch * test_share)
+  return np.concatenate([batch_windows(splits["train_test"], rng, num_test, seq_len),
+                         batch_windows(splits["train_lib"], rng, batch - num_test, seq_len)])
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
@@ -92,6 +109,11 @@ def main():
   parser.add_argument("--threads", type=int, default=2)
   parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (AMX CPUs)")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+  parser.add_argument("--init-from", help="checkpoint.pt of an earlier run whose weights this "
+                      "run starts from (fresh optimizer and schedule); ignored once WORKDIR has "
+                      "its own checkpoint")
+  parser.add_argument("--test-share", type=float, help="share of each batch drawn from the test "
+                      "suites (default: their share of the corpus, about 0.65)")
   parser.add_argument("--save-every-s", type=float, default=300)
   parser.add_argument("--eval-every", type=int, default=200)
   parser.add_argument("--export-only", action="store_true",
@@ -99,6 +121,10 @@ def main():
   parser.add_argument("--max-steps-now", type=int, default=0, help="stop after this many steps "
                       "in this process (to measure speed); 0 = run to the end")
   args = parser.parse_args()
+  if args.test_share is not None and not 0 <= args.test_share <= 1:
+    parser.error(f"--test-share must be in [0, 1], got {args.test_share}")
+  if args.init_from and not os.path.isfile(args.init_from):
+    parser.error(f"--init-from: no checkpoint at {args.init_from}")
 
   import torch
   from tqdm import tqdm
@@ -125,6 +151,9 @@ def main():
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     step = state["step"]
+  elif args.init_from:
+    model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+    print(f"starting from the weights of {args.init_from}", flush=True)
   _truncate_metrics(metrics_path, step)
   if args.export_only:
     model.to(torch.bfloat16).save_pretrained(args.out)
@@ -146,7 +175,8 @@ def main():
   model.train()
   while step < total_steps:
     rng = np.random.default_rng(step)  # data depends on the step only: resumes are exact
-    batch = torch.from_numpy(batch_windows(splits["train"], rng, args.batch_size, args.seq_len))
+    batch = torch.from_numpy(training_batch(splits, rng, args.batch_size, args.seq_len,
+                                            args.test_share))
     lr = learning_rate(step, total_steps, args.lr, warmup=max(1, total_steps // 25))
     for group in optimizer.param_groups:
       group["lr"] = lr
