@@ -193,8 +193,7 @@ def _blocked_experts(experts: "_Experts", x_btd, experts_btk, weights_btk):
   y_bncd = experts.blocked(blocks_bncd, block_experts_bn)
   y_bpd = jax.vmap(lambda y, rows: y[rows])(y_bncd.reshape(batch, -1, d), rows_bp)
   y_bpd = y_bpd * weights_btk.reshape(batch, -1, 1)
-  y_btd = jnp.zeros_like(x_btd).at[:, token_of_pair].add(y_bpd.astype(x_btd.dtype))
-  return y_btd
+  return jnp.zeros_like(x_btd).at[:, token_of_pair].add(y_bpd.astype(x_btd.dtype))
 
 
 class _Experts(nn.Module):
