@@ -26,11 +26,6 @@ def get_config(arg: str | None = None):
   c.data.seq_len = 96
   c.data.max_new_tokens = 48
   c.data.regenerate_batch_size = 16
-  # At 96-token rows the dense training mask is the cheapest, and two samples (prompt plus 48
-  # tokens) never fit one row: the at-scale defaults, split attention and packing, only cost
-  # time here (bench/train_throughput.py).
-  c.data.pack = False
-  c.train.head_attention = "dense"
   c.train.batch_size = 2
   c.train.num_anchors = 8
   c.train.epochs = 3

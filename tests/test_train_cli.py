@@ -19,8 +19,7 @@ FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hid
         "--config.head.mask_token_id=127", "--config.head.target_layer_ids=(0,2)",
         "--config.data.seq_len=48", "--config.data.max_new_tokens=24",
         "--config.train.batch_size=4", "--config.train.num_steps=30",
-        "--config.train.checkpoint_every=10", "--config.train.log_every=5",
-        "--config.data.pack=True"]  # the iterator state of a packed dataset resumes too
+        "--config.train.checkpoint_every=10", "--config.train.log_every=5"]
 
 
 def train_args(workdir, *extra):

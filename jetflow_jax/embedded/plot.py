@@ -1,6 +1,7 @@
 """Curves of the embedded pair: the target's pre-training, and the two heads' training.
 
-  python -m jetflow_jax.embedded.plot runs/embedded/pretrain docs/embedded_pretraining.png
+  python -m jetflow_jax.embedded.plot runs/embedded/pretrain [runs/embedded/pretrain2 ...] \
+      docs/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
       runs/embedded/head_dflash docs/embedded_heads.png
 """
@@ -36,9 +37,14 @@ def _save(fig, out: str) -> str:
   return out
 
 
-def plot_pretraining(workdir: str, out: str) -> str:
+def plot_pretraining(*workdirs: str, out: str) -> str:
+  """Loss against tokens; each further workdir is a stage that continued the one before."""
   plt = _pyplot()
-  rows = _rows(workdir)
+  rows, stage_starts = [], []
+  for workdir in workdirs:
+    offset = rows[-1]["tokens"] if rows else 0
+    rows += [dict(r, tokens=r["tokens"] + offset) for r in _rows(workdir)]
+    stage_starts.append(offset)
   tokens = [r["tokens"] / 1e6 for r in rows]
   window = 50  # the per-step loss is noisy; show its running mean
   smooth = _running_mean([r["loss"] for r in rows], window)
@@ -46,8 +52,10 @@ def plot_pretraining(workdir: str, out: str) -> str:
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(tokens, smooth, label=f"train (running mean of {window} steps)")
   ax.plot(*zip(*held), marker="o", label="held-out stdlib modules")
+  for stage_start in stage_starts[1:]:
+    ax.axvline(stage_start / 1e6, color="grey", linewidth=0.8)
   ax.axhline(2.5, color="grey", linestyle=":", label="quality bar 2.5")
-  ax.set_xlabel("training tokens (millions)")
+  ax.set_xlabel("training tokens (millions); vertical lines: a stage starts")
   ax.set_ylabel("loss (nats / token)")
   ax.set_ylim(1.5, 6)
   ax.legend()
@@ -83,7 +91,7 @@ def main():
   if args.heads:
     print(plot_heads(*args.workdirs, args.out))
   else:
-    print(plot_pretraining(*args.workdirs, args.out))
+    print(plot_pretraining(*args.workdirs, out=args.out))
 
 
 if __name__ == "__main__":
