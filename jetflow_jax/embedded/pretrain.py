@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -43,16 +44,20 @@ def tokenize_files(tokenizer, files: list[str], eos_id: int) -> np.ndarray:
   return np.asarray(ids, np.uint16)
 
 
-def prepare_data(workdir: str):
+def prepare_data(workdir: str, tokenizer_from: str | None = None):
   """Tokenizer and tokenized splits, built once and cached in the workdir.
 
   `train` is every training file; `train_lib` and `train_test` split it into library
   modules and test suites, for runs that set the test files' share of each batch.
+  A run continuing an earlier one (`tokenizer_from`: its workdir) keeps its tokenizer.
   """
   from transformers import AutoTokenizer
   tok_dir = os.path.join(workdir, "tokenizer")
   if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    train_tokenizer(tok_dir)
+    if tokenizer_from:
+      shutil.copytree(os.path.join(tokenizer_from, "tokenizer"), tok_dir, dirs_exist_ok=True)
+    else:
+      train_tokenizer(tok_dir)
   tokenizer = AutoTokenizer.from_pretrained(tok_dir)
   eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
   splits = {}
@@ -132,7 +137,8 @@ def main():
 
   torch.set_num_threads(args.threads)
   os.makedirs(args.workdir, exist_ok=True)
-  tokenizer, splits = prepare_data(args.workdir)
+  tokenizer, splits = prepare_data(
+      args.workdir, os.path.dirname(os.path.abspath(args.init_from)) if args.init_from else None)
   eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
   assert tokenizer.convert_tokens_to_ids(MASK_TOKEN) < len(tokenizer)
   tokens_per_step = args.batch_size * args.seq_len
