@@ -145,13 +145,12 @@ class MoE(nn.Module):
       raise ValueError(f"unknown experts implementation {self.experts!r}: ragged | blocked")
 
     x_md = x_btd.reshape(-1, d)
-    weights_mk, experts_mk = weights_btk.reshape(-1, top_k), experts_btk.reshape(-1, top_k)
+    experts_p, weights_p = experts_btk.reshape(-1), weights_btk.reshape(-1)
     # Sort the (token, expert) pairs by expert so each expert sees one contiguous group.
-    order = jnp.argsort(experts_mk.reshape(-1), stable=True)
+    order = jnp.argsort(experts_p, stable=True)
     token_of_pair = order // top_k
-    group_sizes = jnp.bincount(experts_mk.reshape(-1), length=num_experts).astype(jnp.int32)
-    y_pair_d = experts(x_md[token_of_pair], group_sizes)
-    y_pair_d = y_pair_d * weights_mk.reshape(-1)[order][:, None]
+    group_sizes = jnp.bincount(experts_p, length=num_experts).astype(jnp.int32)
+    y_pair_d = experts(x_md[token_of_pair], group_sizes) * weights_p[order][:, None]
     y_md = jnp.zeros_like(x_md).at[token_of_pair].add(y_pair_d.astype(x_md.dtype))
     return y_md.reshape(x_btd.shape)
 

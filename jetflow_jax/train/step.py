@@ -114,16 +114,16 @@ class DistillLoss:
   def prepare(self, target_params, tokens_bt, loss_mask_bt, rng, segment_ids_bt=None):
     """(target pass, anchors `[B, A]`, anchor validity `[B, A]`) for one batch."""
     tap_layers = self.head_config.target_layer_ids
+    positions_bt = mask_bts = None
     if segment_ids_bt is None:
       starts_bt = jnp.zeros(tokens_bt.shape, jnp.int32)
-      hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
-                                         tap_layers=tap_layers, experts=self.config.target_experts)
     else:  # each sample sees only itself, at the positions it would have alone
       starts_bt = segment_starts(segment_ids_bt)
-      hidden_btd, _, taps_btld = forward(
-          target_params, self.target_config, tokens_bt, tap_layers=tap_layers,
-          positions_bt=jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - starts_bt,
-          mask_bts=packed_causal_mask(starts_bt), experts=self.config.target_experts)
+      positions_bt = jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - starts_bt
+      mask_bts = packed_causal_mask(starts_bt)
+    hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
+                                       positions_bt=positions_bt, mask_bts=mask_bts,
+                                       tap_layers=tap_layers, experts=self.config.target_experts)
     target = TargetPass(*jax.lax.stop_gradient((hidden_btd, taps_btld)), starts_bt)
     return (target, *sample_anchors(rng, loss_mask_bt, self.config.num_anchors, starts_bt))
 
