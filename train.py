@@ -49,6 +49,10 @@ def main(argv):
       raise cli.InputError("--workdir is required for training")
     from jetflow_jax.train.loop import train_and_evaluate
     result = train_and_evaluate(config, _WORKDIR.value)
+    if "past_total_steps" in result:
+      print(f"nothing to do: {_WORKDIR.value} is already at step {result['step']}, past the "
+            f"{result['past_total_steps']} steps this config asks for")
+      return
     print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}, "
           f"depth-1 agreement {result.get('agreement_k', [float('nan')])[0]:.3f}")
 

@@ -75,6 +75,14 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   steps = lambda workdir: [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
   assert steps(killed) == steps(straight) == [5, 10, 15, 20, 25, 30]
 
+  # A staged script re-run from the top: the earlier, shorter stage leaves the later one alone.
+  exported = (killed / "hf_head" / "model.safetensors").read_bytes()
+  earlier_stage = run_cli(*train_args(killed, *fast, "--config.train.num_steps=20"))
+  assert earlier_stage.returncode == 0, earlier_stage.stderr[-3000:]
+  assert "nothing to do" in earlier_stage.stdout and "already at step 30" in earlier_stage.stdout
+  assert (killed / "hf_head" / "model.safetensors").read_bytes() == exported
+  assert steps(killed) == [5, 10, 15, 20, 25, 30]
+
   other_head = run_cli(*train_args(straight, *fast, "--config.head.causal=False"))
   assert other_head.returncode == 2 and "different head" in other_head.stderr
   assert "Traceback" not in other_head.stderr
