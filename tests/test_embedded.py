@@ -9,6 +9,7 @@ from conftest import run_cli
 from jetflow_jax import embedded
 from jetflow_jax.embedded import corpus
 from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
+from jetflow_jax.embedded.head_eval import copy_rule_agreement_by_depth
 from jetflow_jax.generate import generate
 
 
@@ -35,6 +36,32 @@ def test_distinct_ngram_ratio():
   assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
   assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams
   assert distinct_ngram_ratio([1, 2]) == 0.0
+
+
+def test_copy_rule_baseline_against_extending_the_text_by_its_period():
+  def brute_force(records, depth):
+    hits, counts = np.zeros(depth), np.zeros(depth)
+    for record in records:
+      tokens = record["prompt_ids"] + record["response_ids"]
+      for a in range(len(record["prompt_ids"]), len(tokens) - 1):
+        earlier = [j for j in range(a) if tokens[j] == tokens[a]]
+        guess = list(tokens[:a + 1])
+        for _ in range(depth):  # the text goes on repeating itself with the found period
+          guess.append(guess[len(guess) - (a - earlier[-1])] if earlier else -1)
+        for k in range(1, min(depth, len(tokens) - 1 - a) + 1):
+          counts[k - 1] += 1
+          hits[k - 1] += guess[a + k] == tokens[a + k]
+    return hits / counts
+
+  rng = np.random.default_rng(0)
+  records = [{"prompt_ids": rng.integers(0, 4, 5).tolist(),
+              "response_ids": rng.integers(0, 4, 30).tolist()} for _ in range(6)]
+  got = copy_rule_agreement_by_depth(records, depth=7)
+  np.testing.assert_allclose(got, brute_force(records, 7), atol=1e-12)
+  assert 0 < got.min() and got.max() < 1
+
+  periodic = [{"prompt_ids": [9, 1, 2, 3], "response_ids": [1, 2, 3] * 6}]
+  np.testing.assert_array_equal(copy_rule_agreement_by_depth(periodic, depth=5), np.ones(5))
 
 
 def test_shipped_target_loads_in_ours_and_transformers_and_decodes_alike():

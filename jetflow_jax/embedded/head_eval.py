@@ -53,6 +53,30 @@ def agreement_by_depth(head_params, head_config, target_params, target_config,
   return np.mean(per_batch, axis=0)
 
 
+def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
+  """Per-depth agreement of a rule with no head: repeat what followed the anchor last time.
+
+  At anchor a, j is the latest earlier position holding the same token; the rule guesses
+  that the text repeats with period a - j, so depth k gets token j + 1 + (k - 1) % (a - j).
+  No earlier occurrence counts as a miss. Every response anchor with a next response token is
+  scored, against the continuation itself (the target's greedy top-1).
+  """
+  hits_k, counts_k = np.zeros(depth), np.zeros(depth)
+  for record in records:
+    tokens = list(record["prompt_ids"]) + list(record["response_ids"])
+    last_seen = {}
+    for a, token in enumerate(tokens):
+      j = last_seen.get(token)
+      last_seen[token] = a
+      if a < len(record["prompt_ids"]):
+        continue
+      for k in range(1, min(depth, len(tokens) - 1 - a) + 1):
+        counts_k[k - 1] += 1
+        if j is not None:
+          hits_k[k - 1] += tokens[j + 1 + (k - 1) % (a - j)] == tokens[a + k]
+  return hits_k / np.maximum(counts_k, 1)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--head", action="append", required=True,
@@ -74,9 +98,17 @@ def main(argv=None) -> None:
     records = {split: snippet_records(target_params, target_config, tokenizer, args.count,
                                       heldout=split == "heldout")
                for split in ("heldout", "heldin")}
+    depth = load_head(args.head[0])[0].depth
+    copy_rule = {split: copy_rule_agreement_by_depth(split_records, depth)
+                 for split, split_records in records.items()}
+    for split, agreement_k in copy_rule.items():
+      print(f"copy rule (no head): {split} top-1 agreement by depth "
+            + " ".join(f"{a:.2f}" for a in agreement_k))
     for head in args.head:
       head_config, head_params = load_head(head)
       quality = {"num_snippets": args.count}
+      quality.update({f"copy_rule_{split}_agreement_k": [round(float(a), 4) for a in agreement_k]
+                      for split, agreement_k in copy_rule.items()})
       for split, split_records in records.items():
         agreement_k = agreement_by_depth(head_params, head_config, target_params, target_config,
                                          split_records)
