@@ -96,11 +96,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                        config.data.shuffle_seed, t.epochs, config.data.pack)
   total_steps = min(num_batches, t.num_steps) if t.num_steps > 0 else num_batches
   manager = checkpointing.checkpoint_manager(workdir, t.checkpoint_every, t.keep_checkpoints)
-  if (manager.latest_step() or 0) > total_steps:
+  latest_step = manager.latest_step() or 0
+  if latest_step > total_steps:
     # A later stage already ran here (a staged script re-run from the top): nothing to train, and
     # the exported head of that later stage stays as it is.
     manager.close()
-    return {"step": manager.latest_step(), "past_total_steps": total_steps}
+    return {"step": latest_step, "past_total_steps": total_steps}
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
   target_params = jax.device_put(target_params, param_sharding(mesh, target_params))
