@@ -20,7 +20,8 @@ HEAD_STAGES=${HEAD_STAGES:-"4:1000 8:1600 10:2400"}
 mkdir -p "$WORK"
 if [ ! -f "$OUT/target/model.safetensors" ]; then
   # One torch thread: measured faster than two whenever anything else shares the 2 cores.
-  pretrain="env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain --bf16 --compile --threads 1"
+  pretrain="env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain"
+  pretrain="$pretrain --bf16 --compile --threads 1"
   [ -f "$WORK/target_stage1/model.safetensors" ] || $pretrain --workdir "$WORK/pretrain" \
       --out "$WORK/target_stage1" --tokens "$TOKENS"
   # The test suites are 65% of the corpus and the held-out files are library modules.

@@ -77,6 +77,12 @@ def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
   return hits_k / np.maximum(counts_k, 1)
 
 
+def _report(who: str, split: str, agreement_k) -> list[float]:
+  """Prints one agreement line; returns the values rounded for quality.json."""
+  print(f"{who}: {split} top-1 agreement by depth " + " ".join(f"{a:.2f}" for a in agreement_k))
+  return [round(float(a), 4) for a in agreement_k]
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--head", action="append", required=True,
@@ -98,23 +104,19 @@ def main(argv=None) -> None:
     records = {split: snippet_records(target_params, target_config, tokenizer, args.count,
                                       heldout=split == "heldout")
                for split in ("heldout", "heldin")}
-    depth = load_head(args.head[0])[0].depth
-    copy_rule = {split: copy_rule_agreement_by_depth(split_records, depth)
+    heads = {path: load_head(path) for path in args.head}
+    depth = max(head_config.depth for head_config, _ in heads.values())
+    copy_rule = {split: _report("copy rule (no head)", split,
+                                copy_rule_agreement_by_depth(split_records, depth))
                  for split, split_records in records.items()}
-    for split, agreement_k in copy_rule.items():
-      print(f"copy rule (no head): {split} top-1 agreement by depth "
-            + " ".join(f"{a:.2f}" for a in agreement_k))
-    for head in args.head:
-      head_config, head_params = load_head(head)
+    for head, (head_config, head_params) in heads.items():
       quality = {"num_snippets": args.count}
-      quality.update({f"copy_rule_{split}_agreement_k": [round(float(a), 4) for a in agreement_k]
+      quality.update({f"copy_rule_{split}_agreement_k": agreement_k[:head_config.depth]
                       for split, agreement_k in copy_rule.items()})
       for split, split_records in records.items():
-        agreement_k = agreement_by_depth(head_params, head_config, target_params, target_config,
-                                         split_records)
-        quality[f"{split}_agreement_k"] = [round(float(a), 4) for a in agreement_k]
-        print(f"{head}: {split} top-1 agreement by depth "
-              + " ".join(f"{a:.2f}" for a in agreement_k))
+        quality[f"{split}_agreement_k"] = _report(
+            head, split, agreement_by_depth(head_params, head_config, target_params,
+                                            target_config, split_records))
       if args.save_quality:
         with open(os.path.join(head, "quality.json"), "w") as f:
           json.dump(quality, f, indent=1)
