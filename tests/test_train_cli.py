@@ -133,3 +133,32 @@ def test_head_that_does_not_fit_the_target_is_explained(tmp_path):
   for problem in ("hidden_size 4096 != target hidden_size 1024", "[33] out of range [0, 26]",
                   "mask_token_id 200000 out of range"):
     assert problem in done.stderr
+
+
+def test_init_head_starts_from_an_exported_head(tmp_path):
+  import dataclasses
+  import importlib.util
+  from jetflow_jax.head import init_head_params
+  from jetflow_jax.head_checkpoint import save_hf_head
+  from jetflow_jax.train import setup
+  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
+  tiny = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tiny)
+  head = setup.head_config(tiny.get_config(), setup.target_config(tiny.get_config()))
+  start = tmp_path / "start"
+  save_hf_head(init_head_params(head, jax.random.key(7)), head, str(start))
+
+  # A zero learning rate: the run's exported head is exactly the one it started from.
+  workdir = tmp_path / "tuned"
+  done = run_cli(*train_args(workdir, f"--config.train.init_head={start}",
+                             "--config.train.lr=0", "--config.train.num_steps=2"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  _, want = load_head(str(start))
+  _, got = load_head(str(workdir / "hf_head"))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+  other = tmp_path / "other"
+  save_hf_head(init_head_params(head, jax.random.key(7)), dataclasses.replace(head, causal=False), str(other))
+  mismatch = run_cli(*train_args(tmp_path / "mismatch", f"--config.train.init_head={other}"))
+  assert mismatch.returncode == 2 and "Traceback" not in mismatch.stderr
+  assert "train.init_head" in mismatch.stderr and "different head" in mismatch.stderr

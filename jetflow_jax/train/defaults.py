@@ -65,6 +65,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.epochs = 6
   c.train.num_steps = 0  # > 0 caps the run below `epochs` worth of steps
   c.train.seed = 0
+  # An exported head, workdir or hub id to start from instead of random params (fine-tuning on
+  # new data); the optimizer and schedule start afresh. Ignored once the workdir has a checkpoint.
+  c.train.init_head = ""
   c.train.log_every = 10
   c.train.checkpoint_every = 500
   c.train.keep_checkpoints = 3

@@ -20,7 +20,7 @@ import tqdm
 
 from jetflow_jax import cli
 from jetflow_jax.errors import ConfigError, JetflowError
-from jetflow_jax.head import RematPolicy, init_head_params
+from jetflow_jax.head import RematPolicy
 from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
@@ -87,6 +87,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   loss_config(config)  # a bad loss setting fails here, before any weights load
   # Everything checkable from config files is checked before the target's weights load.
   head = setup.head_config(config, setup.target_config(config))
+  head_params = setup.initial_head_params(config, head)
   _check_head_config(workdir, head)
   mesh = make_mesh(config.mesh.data, config.mesh.fsdp)
   check_batch(mesh, t.batch_size)
@@ -105,7 +106,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
   target_params = jax.device_put(target_params, param_sharding(mesh, target_params))
-  head_params = init_head_params(head, jax.random.key(t.seed))
   state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
                      opt_state=optimizer.init(head_params))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.

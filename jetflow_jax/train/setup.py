@@ -12,7 +12,8 @@ from jetflow_jax import cli, hf_params
 from jetflow_jax.checkpoint import is_converted, load_qwen3
 from jetflow_jax.config import Qwen3Config, load_config
 from jetflow_jax.errors import ConfigError
-from jetflow_jax.head_checkpoint import abstract_head_params
+from jetflow_jax.head import init_head_params
+from jetflow_jax.head_checkpoint import abstract_head_params, load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.sampling import make_sampler
@@ -55,6 +56,17 @@ def head_config(config: ml_collections.ConfigDict, target: Qwen3Config) -> HeadC
                                causal=h.causal, **overrides)
   head.validate_for(target)
   return head
+
+
+def initial_head_params(config: ml_collections.ConfigDict, head: HeadConfig) -> dict:
+  """Random params, or those of `train.init_head` (an exported head or a workdir) to fine-tune."""
+  if not config.train.init_head:
+    return init_head_params(head, jax.random.key(config.train.seed))
+  init_config, params = load_head(config.train.init_head)
+  if init_config != head:
+    raise ConfigError(f"train.init_head={config.train.init_head} is a different head "
+                      f"({init_config}) from the one this config trains ({head})")
+  return params
 
 
 def validate(config: ml_collections.ConfigDict) -> str:
