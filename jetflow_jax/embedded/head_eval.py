@@ -4,7 +4,7 @@ The target continues snippets of the held-out standard-library files (never trai
 on, by the target or the heads); at sampled response positions the head's top-1 guess
 at every depth is compared with the target's own top-1. The same on fresh snippets of
 the training files (another seed than the heads' prompts) separates what the heads
-overfit from what is new to both models.
+overfit from what is new to both models; HumanEval prompts are where the benchmark runs.
 
   python -m jetflow_jax.embedded.head_eval --head runs/embedded/head_jetflow \
       --head runs/embedded/head_dflash [--save-quality]
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax import cli, embedded
+from jetflow_jax.embedded import evaluation
 from jetflow_jax.embedded.prompts import snippet_prompts
 from jetflow_jax.generate import generate
 from jetflow_jax.train.data import to_row
@@ -29,14 +30,29 @@ from jetflow_jax.train.step import LossConfig, make_loss_fn
 SEQ_LEN = 304  # configs/embedded.py: 48 prompt tokens + 256 new ones
 
 
-def snippet_records(target_params, target_config, tokenizer, count: int, heldout: bool = True,
-                    max_new_tokens: int = SEQ_LEN - 48) -> list[dict]:
-  """The target's greedy continuations of `count` held-out (or fresh training-file) snippets."""
+def continuations(target_params, target_config, prompts, max_new_tokens: int) -> list[dict]:
+  """The target's greedy continuations of `prompts`, as training-style records."""
+  responses = generate(target_params, target_config, prompts, max_new_tokens).tokens
+  return [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+
+
+def snippet_records(target_params, target_config, tokenizer, count: int,
+                    heldout: bool = True) -> list[dict]:
+  """Continuations of `count` held-out (or fresh training-file) snippets, as the heads saw."""
   # Seed 0 drew the heads' training prompts; 1 and 2 draw others.
   prompts = snippet_prompts(tokenizer, count, prompt_tokens=48, seed=1 if heldout else 2,
                             heldout=heldout)
-  responses = generate(target_params, target_config, prompts, max_new_tokens).tokens
-  return [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+  return continuations(target_params, target_config, prompts, SEQ_LEN - 48)
+
+
+def humaneval_records(target_params, target_config, tokenizer, count: int) -> list[dict]:
+  """128-token continuations of the first `count` HumanEval prompts, as the benchmark runs them.
+
+  Each prompt keeps its last SEQ_LEN - 128 tokens, so prompt and continuation fit one row.
+  """
+  prompts = [tokenizer.encode(text, add_special_tokens=False)[-(SEQ_LEN - 128):]
+             for text in evaluation.humaneval_prompts()[:count]]
+  return continuations(target_params, target_config, prompts, 128)
 
 
 def agreement_by_depth(head_params, head_config, target_params, target_config,
@@ -89,7 +105,7 @@ def main(argv=None) -> None:
                       help="head directory or train.py workdir (repeatable)")
   parser.add_argument("--target", default=None, help="default: the embedded target")
   parser.add_argument("--count", type=int, default=64,
-                      help="snippets per split (held-out files, fresh training-file snippets)")
+                      help="prompts per split (held-out files, fresh training-file snippets, HumanEval)")
   parser.add_argument("--save-quality", action="store_true",
                       help="write each head's results to HEAD/quality.json")
   args = parser.parse_args(argv)
@@ -104,6 +120,7 @@ def main(argv=None) -> None:
     records = {split: snippet_records(target_params, target_config, tokenizer, args.count,
                                       heldout=split == "heldout")
                for split in ("heldout", "heldin")}
+    records["humaneval"] = humaneval_records(target_params, target_config, tokenizer, args.count)
     heads = {path: load_head(path) for path in args.head}
     depth = max(head_config.depth for head_config, _ in heads.values())
     copy_rule = {split: _report("copy rule (no head)", split,
