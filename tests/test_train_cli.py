@@ -1,5 +1,8 @@
-"""train.py end to end: the tiny config, kill-and-resume exactness, config validation."""
+"""train.py end to end: the tiny config, kill-and-resume exactness, fine-tuning from a head,
+config validation."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -12,7 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import CLI_ENV, ROOT, run_cli
-from jetflow_jax.head_checkpoint import load_head
+from jetflow_jax.head import init_head_params
+from jetflow_jax.head_checkpoint import load_head, save_hf_head
+from jetflow_jax.train import setup
 
 # A small-vocabulary random target and pre-tokenized prompts: fast enough to run three times.
 FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hidden_layers=4",
@@ -136,17 +141,13 @@ def test_head_that_does_not_fit_the_target_is_explained(tmp_path):
 
 
 def test_init_head_starts_from_an_exported_head(tmp_path):
-  import dataclasses
-  import importlib.util
-  from jetflow_jax.head import init_head_params
-  from jetflow_jax.head_checkpoint import save_hf_head
-  from jetflow_jax.train import setup
   spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
   tiny = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tiny)
   head = setup.head_config(tiny.get_config(), setup.target_config(tiny.get_config()))
   start = tmp_path / "start"
-  save_hf_head(init_head_params(head, jax.random.key(7)), head, str(start))
+  params = init_head_params(head, jax.random.key(7))
+  save_hf_head(params, head, str(start))
 
   # A zero learning rate: the run's exported head is exactly the one it started from.
   workdir = tmp_path / "tuned"
@@ -158,7 +159,7 @@ def test_init_head_starts_from_an_exported_head(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, got, want)
 
   other = tmp_path / "other"
-  save_hf_head(init_head_params(head, jax.random.key(7)), dataclasses.replace(head, causal=False), str(other))
+  save_hf_head(params, dataclasses.replace(head, causal=False), str(other))
   mismatch = run_cli(*train_args(tmp_path / "mismatch", f"--config.train.init_head={other}"))
   assert mismatch.returncode == 2 and "Traceback" not in mismatch.stderr
   assert "train.init_head" in mismatch.stderr and "different head" in mismatch.stderr

@@ -104,8 +104,8 @@ def main(argv=None) -> None:
   parser.add_argument("--head", action="append", required=True,
                       help="head directory or train.py workdir (repeatable)")
   parser.add_argument("--target", default=None, help="default: the embedded target")
-  parser.add_argument("--count", type=int, default=64,
-                      help="prompts per split (held-out files, fresh training-file snippets, HumanEval)")
+  parser.add_argument("--count", type=int, default=64, help="prompts per split (held-out "
+                      "files, fresh training-file snippets, HumanEval)")
   parser.add_argument("--save-quality", action="store_true",
                       help="write each head's results to HEAD/quality.json")
   args = parser.parse_args(argv)
