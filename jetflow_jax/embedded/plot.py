@@ -3,7 +3,8 @@
   python -m jetflow_jax.embedded.plot runs/embedded/pretrain [runs/embedded/pretrain2 ...] \
       docs/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
-      runs/embedded/head_dflash docs/embedded_heads.png
+      runs/embedded/head_dflash [runs/embedded/head_more_jetflow runs/embedded/head_more_dflash] \
+      docs/embedded_heads.png
 """
 
 from __future__ import annotations
@@ -63,19 +64,37 @@ def plot_pretraining(*workdirs: str, out: str) -> str:
   return _save(fig, out)
 
 
-def plot_heads(jetflow_workdir: str, dflash_workdir: str, out: str) -> str:
-  """Training top-1 agreement at depths 1, 4 and 8 of both heads against step."""
+def _continued(workdirs) -> list[dict]:
+  """Metrics rows of runs that each continued the one before, with steps counted on."""
+  rows = []
+  for workdir in workdirs:
+    offset = rows[-1]["step"] if rows else 0
+    rows += [dict(r, step=r["step"] + offset) for r in _rows(workdir)]
+  return rows
+
+
+def plot_heads(*workdirs: str, out: str) -> str:
+  """Training top-1 agreement at depths 1, 4 and 8 of both heads against step.
+
+  `workdirs` are (JetFlow, DFlash) pairs, one pair per run; a later pair started from the
+  earlier pair's heads (`train.init_head`), so its steps count on after a vertical line.
+  """
+  if not workdirs or len(workdirs) % 2:
+    raise SystemExit("--heads takes (JetFlow workdir, DFlash workdir) pairs, one per run")
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
-  for label, workdir, color in (("JetFlow (causal)", jetflow_workdir, "C0"),
-                                ("DFlash (bidirectional)", dflash_workdir, "C1")):
-    rows = _rows(workdir)
+  for label, runs, color in (("JetFlow (causal)", workdirs[0::2], "C0"),
+                             ("DFlash (bidirectional)", workdirs[1::2], "C1")):
+    rows = _continued(runs)
     steps = [r["step"] for r in rows]
     for depth, style in ((1, "-"), (4, "--"), (8, ":")):
       agreement = _running_mean([r["agreement_k"][depth - 1] for r in rows], 5)
       ax.plot(steps, agreement, style, color=color, label=f"{label}, depth {depth}")
+  for runs_before in range(1, len(workdirs) // 2):
+    ax.axvline(_continued(workdirs[0:2 * runs_before:2])[-1]["step"], color="grey", linewidth=0.8)
   ax.axhline(0.6, color="grey", linewidth=0.8, label="depth-1 bar 0.6 (held-out)")
-  ax.set(xlabel="step", ylabel="top-1 agreement with the target", ylim=(0, 1),
+  ax.set(xlabel="step (vertical line: a run continues from the last one's heads)",
+         ylabel="top-1 agreement with the target", ylim=(0, 1),
          title="embedded heads: training agreement (running mean of 5 logs)")
   ax.legend(fontsize=7)
   return _save(fig, out)
@@ -89,7 +108,7 @@ def main():
   parser.add_argument("out")
   args = parser.parse_args()
   if args.heads:
-    print(plot_heads(*args.workdirs, args.out))
+    print(plot_heads(*args.workdirs, out=args.out))
   else:
     print(plot_pretraining(*args.workdirs, out=args.out))
 
