@@ -32,6 +32,16 @@ def test_test_suites_are_told_apart_and_get_their_share_of_each_batch():
   assert (training_batch(splits, rng, batch=8, seq_len=5, test_share=None) == 0).all()
 
 
+def test_bf16_autocast_only_where_the_cpu_has_it(tmp_path):
+  from jetflow_jax.embedded.pretrain import cpu_has_native_bf16
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+  assert not cpu_has_native_bf16(str(cpuinfo))
+  cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
+  assert cpu_has_native_bf16(str(cpuinfo))
+  assert cpu_has_native_bf16(str(tmp_path / "missing"))  # unknown: trust the flag
+
+
 def test_distinct_ngram_ratio():
   assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
   assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams
