@@ -9,7 +9,8 @@ from conftest import run_cli
 from jetflow_jax import embedded
 from jetflow_jax.embedded import corpus
 from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
-from jetflow_jax.embedded.head_eval import copy_rule_agreement_by_depth
+from jetflow_jax.embedded.head_eval import (agreement_split_by_copy_rule,
+                                            copy_rule_agreement_by_depth, copy_rule_next_tokens)
 from jetflow_jax.generate import generate
 
 
@@ -72,6 +73,20 @@ def test_copy_rule_baseline_against_extending_the_text_by_its_period():
 
   periodic = [{"prompt_ids": [9, 1, 2, 3], "response_ids": [1, 2, 3] * 6}]
   np.testing.assert_array_equal(copy_rule_agreement_by_depth(periodic, depth=5), np.ones(5))
+
+
+def test_head_agreement_split_by_where_the_copy_rule_is_right():
+  # tokens 5 1 2 | 1 3 1 2 4: response anchors 1 3 1 2, each guessing what followed its latest
+  # earlier occurrence: 2, none, 3, 1; the truth is 3 1 2 4, so the rule is never right.
+  first = {"prompt_ids": [5, 1, 2], "response_ids": [1, 3, 1, 2, 4]}
+  np.testing.assert_array_equal(copy_rule_next_tokens(first), [2, -1, 3, 1])
+  # tokens 7 8 | 7 8 7: anchors 7 8 guess 8 7, both right.
+  second = {"prompt_ids": [7, 8], "response_ids": [7, 8, 7]}
+  np.testing.assert_array_equal(copy_rule_next_tokens(second), [8, 7])
+  head = [np.asarray([3, 0, 0, 0]), np.asarray([8, 0])]
+  split = agreement_split_by_copy_rule([first, second], head)
+  assert split == {"copy_rule_right_share": 2 / 6, "where_copy_rule_right": 1 / 2,
+                   "where_copy_rule_wrong": 1 / 4}
 
 
 def test_shipped_target_loads_in_ours_and_transformers_and_decodes_alike():

@@ -24,6 +24,8 @@ from jetflow_jax import cli, embedded
 from jetflow_jax.embedded import evaluation
 from jetflow_jax.embedded.prompts import snippet_prompts
 from jetflow_jax.generate import generate
+from jetflow_jax.head import training_hidden
+from jetflow_jax.model import forward, lm_logits
 from jetflow_jax.train.data import to_row
 from jetflow_jax.train.step import LossConfig, make_loss_fn
 
@@ -93,6 +95,56 @@ def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
   return hits_k / np.maximum(counts_k, 1)
 
 
+def copy_rule_next_tokens(record: dict) -> np.ndarray:
+  """The copy rule's depth-1 guess at every response anchor with a next token (-1: no guess)."""
+  tokens = list(record["prompt_ids"]) + list(record["response_ids"])
+  last_seen, guesses = {}, []
+  for a, token in enumerate(tokens[:-1]):
+    j = last_seen.get(token)
+    last_seen[token] = a
+    if a >= len(record["prompt_ids"]):
+      guesses.append(-1 if j is None else tokens[j + 1])
+  return np.asarray(guesses, np.int64)
+
+
+def agreement_split_by_copy_rule(records: list[dict], head_next_tokens: list) -> dict:
+  """Depth-1 agreement of a head where the copy rule is right and where it is not.
+
+  `head_next_tokens[i]` holds the head's depth-1 guesses at record i's response anchors (as
+  `copy_rule_next_tokens` orders them). A head that had learned to find the earlier
+  occurrence would agree nearly always where the copy rule is right.
+  """
+  right, head_hits = [], []
+  for record, guesses in zip(records, head_next_tokens):
+    tokens = list(record["prompt_ids"]) + list(record["response_ids"])
+    truth = np.asarray(tokens[len(record["prompt_ids"]) + 1:], np.int64)  # after each anchor
+    right.append(copy_rule_next_tokens(record) == truth)
+    head_hits.append(np.asarray(guesses) == truth)
+  right, head_hits = np.concatenate(right), np.concatenate(head_hits)
+  return {"copy_rule_right_share": float(right.mean()),
+          "where_copy_rule_right": float(head_hits[right].mean()) if right.any() else 0.0,
+          "where_copy_rule_wrong": float(head_hits[~right].mean()) if (~right).any() else 0.0}
+
+
+def depth1_guesses(head_params, head_config, target_params, target_config,
+                   records: list[dict]) -> list[np.ndarray]:
+  """The head's top-1 depth-1 guess at every response anchor of each record (one at a time)."""
+  @jax.jit
+  def guesses(tokens_bt, anchors_ba):
+    _, _, taps_btld = forward(target_params, target_config, tokens_bt,
+                              tap_layers=head_config.target_layer_ids)
+    hidden_bakd = training_hidden(head_params, head_config, target_params, target_config,
+                                  taps_btld, tokens_bt, anchors_ba)
+    return jnp.argmax(lm_logits(target_params, target_config, hidden_bakd[:, :, 0]), -1)
+
+  out = []
+  for record in records:
+    tokens = list(record["prompt_ids"]) + list(record["response_ids"])
+    anchors = np.arange(len(record["prompt_ids"]), len(tokens) - 1)
+    out.append(np.asarray(guesses(jnp.asarray([tokens]), jnp.asarray([anchors]))[0]))
+  return out
+
+
 def _report(who: str, split: str, agreement_k) -> list[float]:
   """Prints one agreement line; returns the values rounded for quality.json."""
   print(f"{who}: {split} top-1 agreement by depth " + " ".join(f"{a:.2f}" for a in agreement_k))
@@ -134,6 +186,14 @@ def main(argv=None) -> None:
         quality[f"{split}_agreement_k"] = _report(
             head, split, agreement_by_depth(head_params, head_config, target_params,
                                             target_config, split_records))
+        split_by_copy = agreement_split_by_copy_rule(split_records, depth1_guesses(
+            head_params, head_config, target_params, target_config, split_records))
+        print(f"{head}: {split} depth-1 agreement where the copy rule is right "
+              f"{split_by_copy['where_copy_rule_right']:.2f} (share "
+              f"{split_by_copy['copy_rule_right_share']:.2f}), where it is wrong "
+              f"{split_by_copy['where_copy_rule_wrong']:.2f}")
+        quality[f"{split}_depth1_by_copy_rule"] = {k: round(v, 4)
+                                                   for k, v in split_by_copy.items()}
       if args.save_quality:
         with open(os.path.join(head, "quality.json"), "w") as f:
           json.dump(quality, f, indent=1)
