@@ -139,9 +139,13 @@ def depth1_guesses(head_params, head_config, target_params, target_config,
 
   out = []
   for record in records:
-    tokens = list(record["prompt_ids"]) + list(record["response_ids"])
-    anchors = np.arange(len(record["prompt_ids"]), len(tokens) - 1)
-    out.append(np.asarray(guesses(jnp.asarray([tokens]), jnp.asarray([anchors]))[0]))
+    # Padded to one shape (one compilation): later rows change nothing before them.
+    row = to_row(record, SEQ_LEN)["tokens"]
+    length = len(record["prompt_ids"]) + len(record["response_ids"])
+    anchors = np.arange(len(record["prompt_ids"]), length - 1)
+    padded = np.pad(anchors, (0, SEQ_LEN - len(anchors)), mode="edge")
+    out.append(np.asarray(guesses(jnp.asarray(row[None]), jnp.asarray(padded[None]))[0])
+               [:len(anchors)])
   return out
 
 
