@@ -1,7 +1,12 @@
-"""Quality measures of the embedded target, and its export as a bfloat16 HF checkpoint."""
+"""Quality measures of the embedded target, and its export as a bfloat16 HF checkpoint.
+
+`python -m jetflow_jax.embedded.evaluation [--target DIR]` prints the held-out loss of each
+held-out module and, for comparison, of sampled windows of the training files.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -77,3 +82,39 @@ def save_tokenizer(tokenizer, out_dir: str):
   config["tokenizer_class"] = "PreTrainedTokenizerFast"
   with open(path, "w") as f:
     json.dump(config, f, indent=2)
+
+
+def loss_report(target_dir: str, sample_files: int = 60, seed: int = 0) -> dict[str, float]:
+  """Loss over every 256-token window of each held-out module, and over 64 random windows of
+  `sample_files` random library modules and test suites among the training files."""
+  import torch
+  from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+  from jetflow_jax.embedded import corpus
+  from jetflow_jax.embedded.pretrain import batch_windows, tokenize_files
+  tokenizer = AutoTokenizer.from_pretrained(target_dir)
+  model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+  eos_id = tokenizer.eos_token_id
+  train_files, heldout_files = corpus.split_files()
+  report = {f: heldout_loss(model, tokenize_files(tokenizer, [f], eos_id)) for f in heldout_files}
+  rng = np.random.default_rng(seed)
+  for name, is_test in (("training library modules", False), ("training test suites", True)):
+    files = [f for f in train_files if corpus.is_test_file(f) == is_test]
+    picked = [files[i] for i in rng.choice(len(files), sample_files, replace=False)]
+    ids = tokenize_files(tokenizer, picked, eos_id)
+    report[f"{name} ({sample_files} sampled)"] = mean_loss(
+        model, [batch_windows(ids, rng, 16, 256) for _ in range(4)])
+  return report
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+  parser.add_argument("--target", default=None, help="default: the embedded target")
+  args = parser.parse_args()
+  from jetflow_jax import embedded
+  for name, loss in loss_report(args.target or embedded.default_target()).items():
+    print(f"{name:45s} {loss:.3f}")
+
+
+if __name__ == "__main__":
+  main()
