@@ -13,6 +13,7 @@ overfit from what is new to both models; HumanEval prompts are where the benchma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -71,6 +72,15 @@ def agreement_by_depth(head_params, head_config, target_params, target_config,
   return np.mean(per_batch, axis=0)
 
 
+def _latest_earlier_occurrence(tokens: list[int]) -> list[int | None]:
+  """For each position, the latest earlier position holding the same token (None: first one)."""
+  last_seen, found = {}, []
+  for a, token in enumerate(tokens):
+    found.append(last_seen.get(token))
+    last_seen[token] = a
+  return found
+
+
 def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
   """Per-depth agreement of a rule with no head: repeat what followed the anchor last time.
 
@@ -82,12 +92,9 @@ def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
   hits_k, counts_k = np.zeros(depth), np.zeros(depth)
   for record in records:
     tokens = list(record["prompt_ids"]) + list(record["response_ids"])
-    last_seen = {}
-    for a, token in enumerate(tokens):
-      j = last_seen.get(token)
-      last_seen[token] = a
-      if a < len(record["prompt_ids"]):
-        continue
+    earlier = _latest_earlier_occurrence(tokens)
+    for a in range(len(record["prompt_ids"]), len(tokens)):
+      j = earlier[a]
       for k in range(1, min(depth, len(tokens) - 1 - a) + 1):
         counts_k[k - 1] += 1
         if j is not None:
@@ -98,13 +105,9 @@ def copy_rule_agreement_by_depth(records: list[dict], depth: int) -> np.ndarray:
 def copy_rule_next_tokens(record: dict) -> np.ndarray:
   """The copy rule's depth-1 guess at every response anchor with a next token (-1: no guess)."""
   tokens = list(record["prompt_ids"]) + list(record["response_ids"])
-  last_seen, guesses = {}, []
-  for a, token in enumerate(tokens[:-1]):
-    j = last_seen.get(token)
-    last_seen[token] = a
-    if a >= len(record["prompt_ids"]):
-      guesses.append(-1 if j is None else tokens[j + 1])
-  return np.asarray(guesses, np.int64)
+  earlier = _latest_earlier_occurrence(tokens)
+  return np.asarray([-1 if earlier[a] is None else tokens[earlier[a] + 1]
+                     for a in range(len(record["prompt_ids"]), len(tokens) - 1)], np.int64)
 
 
 def agreement_split_by_copy_rule(records: list[dict], head_next_tokens: list) -> dict:
@@ -126,17 +129,19 @@ def agreement_split_by_copy_rule(records: list[dict], head_next_tokens: list) ->
           "where_copy_rule_wrong": float(head_hits[~right].mean()) if (~right).any() else 0.0}
 
 
+@functools.partial(jax.jit, static_argnames=("head_config", "target_config"))
+def _depth1_argmax(head_params, head_config, target_params, target_config, tokens_bt,
+                   anchors_ba):
+  _, _, taps_btld = forward(target_params, target_config, tokens_bt,
+                            tap_layers=head_config.target_layer_ids)
+  hidden_bakd = training_hidden(head_params, head_config, target_params, target_config,
+                                taps_btld, tokens_bt, anchors_ba)
+  return jnp.argmax(lm_logits(target_params, target_config, hidden_bakd[:, :, 0]), -1)
+
+
 def depth1_guesses(head_params, head_config, target_params, target_config,
                    records: list[dict]) -> list[np.ndarray]:
   """The head's top-1 depth-1 guess at every response anchor of each record (one at a time)."""
-  @jax.jit
-  def guesses(tokens_bt, anchors_ba):
-    _, _, taps_btld = forward(target_params, target_config, tokens_bt,
-                              tap_layers=head_config.target_layer_ids)
-    hidden_bakd = training_hidden(head_params, head_config, target_params, target_config,
-                                  taps_btld, tokens_bt, anchors_ba)
-    return jnp.argmax(lm_logits(target_params, target_config, hidden_bakd[:, :, 0]), -1)
-
   out = []
   for record in records:
     # Padded to one shape (one compilation): later rows change nothing before them.
@@ -144,8 +149,9 @@ def depth1_guesses(head_params, head_config, target_params, target_config,
     length = len(record["prompt_ids"]) + len(record["response_ids"])
     anchors = np.arange(len(record["prompt_ids"]), length - 1)
     padded = np.pad(anchors, (0, SEQ_LEN - len(anchors)), mode="edge")
-    out.append(np.asarray(guesses(jnp.asarray(row[None]), jnp.asarray(padded[None]))[0])
-               [:len(anchors)])
+    guesses = _depth1_argmax(head_params, head_config, target_params, target_config,
+                             jnp.asarray(row[None]), jnp.asarray(padded[None]))
+    out.append(np.asarray(guesses[0])[:len(anchors)])
   return out
 
 
