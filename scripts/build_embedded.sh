@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds the embedded default pair from the CPython standard library, on CPU, resumably:
 # re-running continues each step from where it stopped (checkpoints live in $WORK).
-#   1. BPE tokenizer + pre-trained target, two stages   (jetflow_jax.embedded.pretrain)
+#   1. BPE tokenizer + pre-trained target             (jetflow_jax.embedded.pretrain)
 #   2. snippet prompts from held-in files   (jetflow_jax.embedded.prompts)
 #   3. the target's own continuations and the two heads (train.py, configs/embedded.py)
 #   4. the heads' held-out agreement              (jetflow_jax.embedded.head_eval)
@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORK=${WORK:-runs/embedded}
 OUT=jetflow_jax/embedded/checkpoints
-TOKENS=${TOKENS:-12e6}   # first stage: the corpus as it comes
-TOKENS2=${TOKENS2:-10e6} # second stage: the test suites cut to a quarter of each batch
+TOKENS=${TOKENS:-10e6}
+THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
 # The shipped heads were trained in stages, each continuing the last with its cosine schedule
 # restarted over a longer run: epochs:steps (the agreement curve was still rising each time).
 HEAD_STAGES=${HEAD_STAGES:-"4:1000 8:1600 10:2400"}
@@ -24,14 +24,9 @@ FINETUNE_LR=${FINETUNE_LR:-1e-3}
 
 mkdir -p "$WORK"
 if [ ! -f "$OUT/target/model.safetensors" ]; then
-  # One torch thread: measured faster than two whenever anything else shares the 2 cores.
-  pretrain="env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain"
-  pretrain="$pretrain --bf16 --compile --threads 1"
-  [ -f "$WORK/target_stage1/model.safetensors" ] || $pretrain --workdir "$WORK/pretrain" \
-      --out "$WORK/target_stage1" --tokens "$TOKENS"
-  # The test suites are 65% of the corpus and the held-out files are library modules.
-  $pretrain --workdir "$WORK/pretrain2" --out "$OUT/target" --tokens "$TOKENS2" --lr 1e-3 \
-      --init-from "$WORK/pretrain/checkpoint.pt" --test-share 0.25
+  # --bf16 takes effect only where the CPU has native bfloat16 (AMX, AVX512-BF16).
+  env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain --workdir "$WORK/pretrain" \
+      --out "$OUT/target" --tokens "$TOKENS" --bf16 --compile --threads "$THREADS"
 fi
 # One seed: the first 4,000 of the larger set are the first stages' prompts.
 [ -f "$WORK/prompts_more.jsonl" ] || $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" \

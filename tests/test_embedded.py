@@ -18,6 +18,10 @@ def test_held_out_files_are_never_training_files():
   train, heldout = corpus.split_files()
   assert len(heldout) == len(corpus.HELDOUT_FILES) and not set(train) & set(heldout)
   assert len(train) > 500 and all(f.endswith(".py") for f in train)
+  assert set(heldout) == set(corpus.HELDOUT_SAMPLE) | set(corpus.HELDOUT_MODULES)
+  assert not set(corpus.HELDOUT_SAMPLE) & set(corpus.HELDOUT_MODULES)
+  # The sample is drawn like the corpus: test suites and library modules both.
+  assert sum(map(corpus.is_test_file, corpus.HELDOUT_SAMPLE)) == 24
 
 
 def test_test_suites_are_told_apart_and_get_their_share_of_each_batch():

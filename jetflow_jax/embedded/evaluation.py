@@ -57,10 +57,14 @@ def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: i
   return outputs
 
 
-def export(model, tokenizer, out_dir: str, heldout_ids: np.ndarray, workdir: str):
-  """Measures the quality bar and writes the bfloat16 HF checkpoint plus `quality.json`."""
+def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdir: str):
+  """Measures the quality bar and writes the bfloat16 HF checkpoint plus `quality.json`.
+
+  `splits` holds the token streams `heldout` (the random sample) and `heldout_modules`.
+  """
   import torch
-  quality = {"heldout_loss": heldout_loss(model, heldout_ids)}
+  quality = {"heldout_loss": heldout_loss(model, splits["heldout"]),
+             "heldout_modules_loss": heldout_loss(model, splits["heldout_modules"])}
   continuations = greedy_continuations(model, tokenizer, humaneval_prompts())
   quality["humaneval_distinct_4gram"] = float(np.mean(
       [distinct_ngram_ratio(c) for c in continuations]))
@@ -85,8 +89,9 @@ def save_tokenizer(tokenizer, out_dir: str):
 
 
 def loss_report(target_dir: str, sample_files: int = 60, seed: int = 0) -> dict[str, float]:
-  """Loss over every 256-token window of each held-out module, and over 64 random windows of
-  `sample_files` random library modules and test suites among the training files."""
+  """Loss over every 256-token window of the held-out sample and of each held-out module, and
+  over 64 random windows of `sample_files` random library modules and test suites among the
+  training files."""
   import torch
   from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -95,8 +100,11 @@ def loss_report(target_dir: str, sample_files: int = 60, seed: int = 0) -> dict[
   tokenizer = AutoTokenizer.from_pretrained(target_dir)
   model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
   eos_id = tokenizer.eos_token_id
-  train_files, heldout_files = corpus.split_files()
-  report = {f: heldout_loss(model, tokenize_files(tokenizer, [f], eos_id)) for f in heldout_files}
+  train_files, _ = corpus.split_files()
+  report = {f"held-out sample ({len(corpus.HELDOUT_SAMPLE)} files)": heldout_loss(
+      model, tokenize_files(tokenizer, list(corpus.HELDOUT_SAMPLE), eos_id))}
+  report.update({f: heldout_loss(model, tokenize_files(tokenizer, [f], eos_id))
+                 for f in corpus.HELDOUT_MODULES})
   rng = np.random.default_rng(seed)
   for name, is_test in (("training library modules", False), ("training test suites", True)):
     files = [f for f in train_files if corpus.is_test_file(f) == is_test]

@@ -49,10 +49,16 @@ def plot_pretraining(*workdirs: str, out: str) -> str:
   tokens = [r["tokens"] / 1e6 for r in rows]
   window = 50  # the per-step loss is noisy; show its running mean
   smooth = _running_mean([r["loss"] for r in rows], window)
-  held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in rows if "heldout_loss" in r]
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(tokens, smooth, label=f"train (running mean of {window} steps)")
-  ax.plot(*zip(*held), marker="o", label="held-out stdlib modules")
+  # Runs before the held-out sample existed logged only the hand-picked modules, as heldout_loss.
+  has_sample = any("heldout_modules_loss" in r for r in rows)
+  curves = ({"heldout_loss": "held-out sample (40 random files)",
+             "heldout_modules_loss": "held-out modules (16 hand-picked)"} if has_sample
+            else {"heldout_loss": "held-out stdlib modules"})
+  for key, label in curves.items():
+    ax.plot(*zip(*[(r["tokens"] / 1e6, r[key]) for r in rows if key in r]), marker="o",
+            markersize=3, label=label)
   for stage_start in stage_starts[1:]:
     ax.axvline(stage_start / 1e6, color="grey", linewidth=0.8)
   ax.axhline(2.5, color="grey", linestyle=":", label="quality bar 2.5")

@@ -49,6 +49,8 @@ def prepare_data(workdir: str, tokenizer_from: str | None = None):
 
   `train` is every training file; `train_lib` and `train_test` split it into library
   modules and test suites, for runs that set the test files' share of each batch.
+  `heldout` is the random held-out sample (the quality bar), `heldout_modules` the
+  hand-picked held-out modules.
   A run continuing an earlier one (`tokenizer_from`: its workdir) keeps its tokenizer.
   """
   from transformers import AutoTokenizer
@@ -61,10 +63,11 @@ def prepare_data(workdir: str, tokenizer_from: str | None = None):
   tokenizer = AutoTokenizer.from_pretrained(tok_dir)
   eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
   splits = {}
-  train_files, heldout_files = corpus.split_files()
+  train_files, _ = corpus.split_files()
   test_files = [f for f in train_files if corpus.is_test_file(f)]
   lib_files = [f for f in train_files if not corpus.is_test_file(f)]
-  for split, files in (("train", train_files), ("heldout", heldout_files),
+  for split, files in (("train", train_files), ("heldout", corpus.HELDOUT_SAMPLE),
+                       ("heldout_modules", corpus.HELDOUT_MODULES),
                        ("train_lib", lib_files), ("train_test", test_files)):
     path = os.path.join(workdir, f"{split}_ids.npy")
     if not os.path.isfile(path):
@@ -185,10 +188,13 @@ def main():
     return
   num_params = sum(p.numel() for p in model.parameters())
   print(f"model {num_params / 1e6:.2f}M params; train {len(splits['train']) / 1e6:.2f}M tokens, "
-        f"held-out {len(splits['heldout']) / 1e6:.2f}M; step {step}/{total_steps}", flush=True)
+        f"held-out {len(splits['heldout']) / 1e6:.2f}M sample + "
+        f"{len(splits['heldout_modules']) / 1e6:.2f}M modules; step {step}/{total_steps}",
+        flush=True)
 
-  heldout_batches = [batch_windows(splits["heldout"], np.random.default_rng(1000 + i), 16,
-                                   args.seq_len) for i in range(4)]
+  eval_batches = {f"{split}_loss": [batch_windows(splits[split], np.random.default_rng(1000 + i),
+                                                  16, args.seq_len) for i in range(4)]
+                  for split in ("heldout", "heldout_modules")}
   stop_requested = []  # SIGTERM/SIGINT finish the current step, save, then exit
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop_requested.append(True))
@@ -216,7 +222,8 @@ def main():
               "grad_norm": float(grad_norm),
               "tokens_per_s": tokens_per_step / (time.perf_counter() - start)}
     if step % args.eval_every == 0 or step == total_steps:
-      record["heldout_loss"] = evaluation.mean_loss(model, heldout_batches)
+      for name, batches in eval_batches.items():
+        record[name] = evaluation.mean_loss(model, batches)
       model.train()
     with open(metrics_path, "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -232,7 +239,7 @@ def main():
       break
   bar.close()
   if step == total_steps:
-    evaluation.export(model, tokenizer, args.out, splits["heldout"], args.workdir)
+    evaluation.export(model, tokenizer, args.out, splits, args.workdir)
 
 
 def _truncate_metrics(path: str, step: int):
