@@ -63,8 +63,9 @@ def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdi
   `splits` holds the token streams `heldout` (the random sample) and `heldout_modules`.
   """
   import torch
-  quality = {"heldout_loss": heldout_loss(model, splits["heldout"]),
-             "heldout_modules_loss": heldout_loss(model, splits["heldout_modules"])}
+  # At the training context (512) and at 256, the window the first target was measured with.
+  quality = {f"{split}_loss_{window}": heldout_loss(model, splits[split], window)
+             for split in ("heldout", "heldout_modules") for window in (512, 256)}
   continuations = greedy_continuations(model, tokenizer, humaneval_prompts())
   quality["humaneval_distinct_4gram"] = float(np.mean(
       [distinct_ngram_ratio(c) for c in continuations]))
