@@ -74,9 +74,16 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 def jax_generator(target_params, target_config: Qwen3Config, max_new_tokens: int,
                   sampler: Sampler) -> BatchGenerator:
   """Our jitted decode loop, its cache sized to each batch."""
+  widest = 0
+
   def generate_batch(prompts, seed):
-    return generate(target_params, target_config, prompts, max_new_tokens, sampler=sampler,
-                    seed=seed, cache_size=tight_cache_size(prompts, max_new_tokens)).tokens
+    nonlocal widest
+    widest = max(widest, len(prompts))
+    # A short (last) batch is padded to the widest so far so it reuses the compiled shapes.
+    padded = list(prompts) + [prompts[-1]] * (widest - len(prompts))
+    return generate(target_params, target_config, padded, max_new_tokens, sampler=sampler,
+                    seed=seed, cache_size=tight_cache_size(padded, max_new_tokens)
+                    ).tokens[:len(prompts)]
   return generate_batch
 
 
@@ -137,9 +144,8 @@ def regenerate(records: Sequence[dict[str, Any]], out_path: str, generate_batch:
                                              desc="regenerate", unit="prompt") as bar:
     for start in range(0, len(pending), batch_size):
       batch = pending[start:start + batch_size]
-      # Pad the last batch to full size so it reuses the compiled shapes.
-      prompts = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
-      for (rid, ids), response in zip(batch, generate_batch(prompts, seed + start)):
+      responses = generate_batch([ids for _, ids in batch], seed + start)
+      for (rid, ids), response in zip(batch, responses, strict=True):
         line = {"id": rid, "prompt_ids": ids, "response_ids": response}
         if tokenizer is not None:
           line["response"] = tokenizer.decode(response, skip_special_tokens=True)
