@@ -3,8 +3,7 @@
   python -m jetflow_jax.embedded.plot runs/embedded/pretrain [runs/embedded/pretrain2 ...] \
       docs/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
-      runs/embedded/head_dflash [runs/embedded/head_more_jetflow runs/embedded/head_more_dflash] \
-      docs/embedded_heads.png
+      runs/embedded/head_dflash docs/embedded_heads.png
 """
 
 from __future__ import annotations
