@@ -10,7 +10,7 @@ from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
 from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.train.data import load_regenerated, make_dataset, prompt_ids, read_jsonl, to_row
-from jetflow_jax.train.regenerate import regenerate
+from jetflow_jax.train.regenerate import jax_generator, regenerate, torch_generator
 from jetflow_jax.sampling import Greedy
 
 
@@ -99,13 +99,27 @@ def test_regeneration_resumes_and_matches_generate(make_checkpoint, tmp_path):
   records = [{"id": f"p{i}", "prompt_ids": rng.integers(0, 90, int(rng.integers(3, 9))).tolist()}
              for i in range(7)]
   out = tmp_path / "regenerated.jsonl"
-  kwargs = dict(max_new_tokens=6, batch_size=3, max_prompt_len=64, sampler=Greedy())
-  assert regenerate(params, config, records[:4], str(out), **kwargs) == 4
+  generate_batch = jax_generator(params, config, max_new_tokens=6, sampler=Greedy())
+  kwargs = dict(batch_size=3, max_prompt_len=64)
+  assert regenerate(records[:4], str(out), generate_batch, **kwargs) == 4
   with open(out, "a") as f:
     f.write('{"id": "p5", "prompt_ids": [1')  # a write torn by a kill
-  assert regenerate(params, config, records, str(out), **kwargs) == 3
+  assert regenerate(records, str(out), generate_batch, **kwargs) == 3
   lines = [json.loads(line) for line in open(out)]
   assert sorted(line["id"] for line in lines) == [f"p{i}" for i in range(7)]
   for line in lines:
     want = generate(params, config, [line["prompt_ids"]], 6).tokens[0]
     assert line["response_ids"] == want
+
+
+def test_torch_regeneration_decodes_like_our_loop(make_checkpoint):
+  """transformers' greedy generate, left-padded in one batch, gives our loop's tokens per prompt."""
+  directory, _ = make_checkpoint(num_hidden_layers=2, eos_token_id=23)  # some rows emit it
+  config, params = jetflow_jax.load_qwen3(directory)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(8, 90, n).tolist() for n in (3, 9, 5, 12)]
+  responses = torch_generator(directory, max_new_tokens=10, temperature=0.0)(prompts, 0)
+  assert responses == jax_generator(params, config, 10, Greedy())(prompts, 0)
+  assert [len(r) for r in responses if r[-1] == 23 and len(r) < 10], "no row stopped early"
+  with pytest.raises(InputError, match="Hugging Face checkpoint directory"):
+    torch_generator(str(directory) + "-missing", 4, 0.0)

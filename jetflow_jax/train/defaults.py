@@ -40,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.regenerate_batch_size = 32
   c.data.regenerate_temperature = 0.0
   c.data.regenerate_seed = 0
+  c.data.regenerate_backend = "jax"  # or "torch": transformers' generate (HF checkpoints, CPU)
   c.data.shuffle_seed = 0
   c.data.pack = True  # fill rows with whole samples (short chats would waste 3072-token rows)
 

@@ -18,7 +18,8 @@ from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.sampling import make_sampler
 from jetflow_jax.train.data import load_regenerated, read_jsonl
-from jetflow_jax.train.regenerate import regenerate, tokenizer_if_needed
+from jetflow_jax.train.regenerate import (BACKENDS, jax_generator, regenerate, tokenizer_if_needed,
+                                          torch_generator)
 
 
 def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
@@ -101,9 +102,17 @@ def training_records(config: ml_collections.ConfigDict, workdir: str, target: Qw
   if d.prompts:
     records = list(read_jsonl(d.prompts))
     tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
-    regenerate(target_params, target, records, regenerated, tokenizer=tokenizer,
-               max_new_tokens=d.max_new_tokens, batch_size=d.regenerate_batch_size,
-               max_prompt_len=d.seq_len - 2, sampler=make_sampler(d.regenerate_temperature),
+    if d.regenerate_backend not in BACKENDS:
+      raise ConfigError(f"data.regenerate_backend must be one of {BACKENDS} "
+                        f"(got {d.regenerate_backend!r})")
+    if d.regenerate_backend == "torch":
+      generate_batch = torch_generator(config.target.checkpoint, d.max_new_tokens,
+                                       d.regenerate_temperature)
+    else:
+      generate_batch = jax_generator(target_params, target, d.max_new_tokens,
+                                     make_sampler(d.regenerate_temperature))
+    regenerate(records, regenerated, generate_batch, tokenizer=tokenizer,
+               batch_size=d.regenerate_batch_size, max_prompt_len=d.seq_len - 2,
                seed=d.regenerate_seed)
   elif not os.path.isfile(regenerated):
     raise ConfigError("set data.prompts (a JSONL of prompts to regenerate) or data.regenerated "
