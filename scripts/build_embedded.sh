@@ -15,9 +15,9 @@ OUT=jetflow_jax/embedded/checkpoints
 TOKENS=${TOKENS:-10e6}
 THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
 PROMPTS=${PROMPTS:-16000}
-# Both heads: one cosine run of this many steps (16 continuations a step) over the target's
-# continuations of $PROMPTS snippets.
-HEAD_STEPS=${HEAD_STEPS:-800}  # the shipped heads; their curve was still rising
+# Both heads, 16 continuations a step over the target's continuations of $PROMPTS snippets,
+# in stages: each resumes the last and restarts the cosine schedule over its own total steps.
+HEAD_STAGES=${HEAD_STAGES:-"800 2000"}  # the shipped heads
 HEAD_EPOCHS=${HEAD_EPOCHS:-2}
 
 mkdir -p "$WORK"
@@ -33,14 +33,16 @@ $PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --targe
     --prompts "$WORK/prompts.jsonl" --out "$WORK/regenerated.jsonl" --max-new-tokens 256 \
     --batch-size 64
 # Side by side, one core each: same data, same steps.
-core=0 pids=()
-for kind in jetflow dflash; do
-  taskset -c $core $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
-      --config.data.prompts= --config.data.regenerated="$WORK/regenerated.jsonl" \
-      --config.train.epochs="$HEAD_EPOCHS" --config.train.num_steps="$HEAD_STEPS" &
-  pids+=($!) core=$(( (core + 1) % $(nproc) ))
+for steps in $HEAD_STAGES; do
+  core=0 pids=()
+  for kind in jetflow dflash; do
+    taskset -c $core $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
+        --config.data.prompts= --config.data.regenerated="$WORK/regenerated.jsonl" \
+        --config.train.epochs="$HEAD_EPOCHS" --config.train.num_steps="$steps" &
+    pids+=($!) core=$(( (core + 1) % $(nproc) ))
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
 done
-for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
 for kind in jetflow dflash; do
   rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
 done

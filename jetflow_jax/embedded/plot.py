@@ -98,7 +98,8 @@ def plot_heads(*workdirs: str, out: str) -> str:
   for runs_before in range(1, len(workdirs) // 2):
     ax.axvline(_continued(workdirs[0:2 * runs_before:2])[-1]["step"], color="grey", linewidth=0.8)
   ax.axhline(0.6, color="grey", linewidth=0.8, label="depth-1 bar 0.6 (held-out)")
-  ax.set(xlabel="step (vertical line: a run continues from the last one's heads)",
+  ax.set(xlabel="step" + (" (vertical line: a run continues from the last one's heads)"
+                          if len(workdirs) > 2 else ""),
          ylabel="top-1 agreement with the target", ylim=(0, 1),
          title="embedded heads: training agreement (running mean of 5 logs)")
   ax.legend(fontsize=7)
