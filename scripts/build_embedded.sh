@@ -15,10 +15,11 @@ OUT=jetflow_jax/embedded/checkpoints
 TOKENS=${TOKENS:-10e6}
 THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
 PROMPTS=${PROMPTS:-16000}
-# Both heads, 16 continuations a step over the target's continuations of $PROMPTS snippets,
-# in stages: each resumes the last and restarts the cosine schedule over its own total steps.
+# Both heads, HEAD_BATCH continuations a step over the target's continuations of $PROMPTS
+# snippets, in stages: each resumes the last and restarts the cosine schedule over its own
+# total steps.
 HEAD_STAGES=${HEAD_STAGES:-"800 2000"}  # the shipped heads
-HEAD_EPOCHS=${HEAD_EPOCHS:-2}
+HEAD_BATCH=${HEAD_BATCH:-16}
 
 mkdir -p "$WORK"
 if [ ! -f "$OUT/target/model.safetensors" ]; then
@@ -34,11 +35,16 @@ $PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --targe
     --batch-size 64
 # Side by side, one core each: same data, same steps.
 for steps in $HEAD_STAGES; do
+  # train.py stops at the data's end, so each stage gets the passes its steps need and one
+  # spare (records regeneration could not use); a pass's order does not depend on how many
+  # follow it.
+  epochs=$(( steps * HEAD_BATCH / PROMPTS + 1 ))
   core=0 pids=()
   for kind in jetflow dflash; do
     taskset -c $core $PY train.py --config=configs/embedded.py:$kind --workdir="$WORK/head_$kind" \
         --config.data.prompts= --config.data.regenerated="$WORK/regenerated.jsonl" \
-        --config.train.epochs="$HEAD_EPOCHS" --config.train.num_steps="$steps" &
+        --config.train.batch_size="$HEAD_BATCH" --config.train.epochs="$epochs" \
+        --config.train.num_steps="$steps" &
     pids+=($!) core=$(( (core + 1) % $(nproc) ))
   done
   for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
