@@ -18,7 +18,7 @@ PROMPTS=${PROMPTS:-16000}
 # Both heads, HEAD_BATCH continuations a step over the target's continuations of $PROMPTS
 # snippets, in stages: each resumes the last and restarts the cosine schedule over its own
 # total steps.
-HEAD_STAGES=${HEAD_STAGES:-"800 2000"}  # the shipped heads
+HEAD_STAGES=${HEAD_STAGES:-"800 2000 3200"}  # the shipped heads
 HEAD_BATCH=${HEAD_BATCH:-16}
 
 mkdir -p "$WORK"
