@@ -6,8 +6,9 @@
 Both heads read the same regenerated data (`data.regenerated`), made once from
 `data.prompts` (`python -m jetflow_jax.embedded.prompts`); scripts/build_embedded.sh
 runs the whole pipeline, including the stages the shipped heads were trained in (each a
-longer `--config.train.num_steps=N` on the same workdir). Same size, data and steps: only
-the in-block mask differs.
+longer `--config.train.num_steps=N` on the same workdir, then a last one on fresh
+continuations from `--config.train.init_head`). Same size, data and steps: only the
+in-block mask differs.
 """
 
 from jetflow_jax import embedded

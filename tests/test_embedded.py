@@ -11,6 +11,7 @@ from jetflow_jax.embedded import corpus
 from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
 from jetflow_jax.embedded.head_eval import (agreement_split_by_copy_rule,
                                             copy_rule_agreement_by_depth, copy_rule_next_tokens)
+from jetflow_jax.embedded.prompts import documented_functions
 from jetflow_jax.generate import generate
 
 
@@ -51,6 +52,26 @@ def test_distinct_ngram_ratio():
   assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
   assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams
   assert distinct_ngram_ratio([1, 2]) == 0.0
+
+
+def test_function_prompts_are_signature_and_docstring_dedented():
+  source = (
+      "class Box:\n"
+      "    @property\n"
+      "    def size(self, unit='cm'):\n"
+      "        \"\"\"The box's size.\n\n        In `unit`.\n        \"\"\"\n"
+      "        return 3\n"
+      "\n"
+      "    def plain(self):\n"
+      "        return 1\n"
+      "\n"
+      "async def fetch():\n"
+      "    'Fetches.'\n"
+      "    pass\n")
+  assert sorted(documented_functions(source)) == [
+      "async def fetch():\n    'Fetches.'\n",
+      "def size(self, unit='cm'):\n    \"\"\"The box's size.\n\n    In `unit`.\n    \"\"\"\n"]
+  assert documented_functions("def broken(:\n") == []
 
 
 def test_copy_rule_baseline_against_extending_the_text_by_its_period():
