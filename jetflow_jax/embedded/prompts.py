@@ -87,7 +87,8 @@ def main():
   tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
   draw = snippet_prompts if args.kind == "snippet" else function_prompts
   prompts = draw(tokenizer, args.count, args.prompt_tokens, seed=args.seed)
-  # Ids name kind and seed so that files drawn differently can be concatenated.
+  # Ids name kind and seed so that files drawn differently can be concatenated; seed 0 keeps
+  # the ids (snippet0, snippet1, ...) of the data the shipped heads' first stages read.
   prefix = args.kind if args.seed == 0 else f"{args.kind}{args.seed}_"
   with open(args.out, "w") as f:
     for i, ids in enumerate(prompts):
