@@ -48,6 +48,22 @@ def test_bf16_autocast_only_where_the_cpu_has_it(tmp_path):
   assert cpu_has_native_bf16(str(tmp_path / "missing"))  # unknown: trust the flag
 
 
+def test_a_run_can_start_from_the_shipped_target(tmp_path):
+  from jetflow_jax.embedded.pretrain import init_tokenizer_dir, init_weights, model_config
+  from transformers import Qwen3ForCausalLM
+  shipped = embedded.default_target()
+  assert init_tokenizer_dir(shipped) == shipped
+  assert init_tokenizer_dir("runs/x/checkpoint.pt").endswith("runs/x/tokenizer")
+  weights = init_weights(shipped)
+  model = Qwen3ForCausalLM(model_config(8192, 0))
+  model.load_state_dict(weights)  # strict: every name and shape of a fresh run's model
+  reference = Qwen3ForCausalLM.from_pretrained(shipped, dtype=torch.float32).state_dict()
+  assert all(torch.equal(model.state_dict()[k], reference[k]) for k in reference)
+  torch.save({"model": weights}, tmp_path / "checkpoint.pt")  # a run's own form reads alike
+  assert torch.equal(init_weights(str(tmp_path / "checkpoint.pt"))["lm_head.weight"],
+                     reference["lm_head.weight"])
+
+
 def test_distinct_ngram_ratio():
   assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
   assert distinct_ngram_ratio([7, 8] * 20) == 2 / 37  # a 2-token loop has 2 distinct 4-grams

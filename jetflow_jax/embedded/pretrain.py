@@ -51,13 +51,17 @@ def prepare_data(workdir: str, tokenizer_from: str | None = None):
   modules and test suites, for runs that set the test files' share of each batch.
   `heldout` is the random held-out sample (the quality bar), `heldout_modules` the
   hand-picked held-out modules.
-  A run continuing an earlier one (`tokenizer_from`: its workdir) keeps its tokenizer.
+  A run continuing an earlier one keeps its tokenizer (`tokenizer_from`: the directory of
+  its `tokenizer.json`).
   """
   from transformers import AutoTokenizer
   tok_dir = os.path.join(workdir, "tokenizer")
   if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
     if tokenizer_from:
-      shutil.copytree(os.path.join(tokenizer_from, "tokenizer"), tok_dir, dirs_exist_ok=True)
+      os.makedirs(tok_dir, exist_ok=True)
+      for name in os.listdir(tokenizer_from):  # an HF directory also holds the weights
+        if name.startswith(("tokenizer", "special_tokens")):
+          shutil.copy(os.path.join(tokenizer_from, name), tok_dir)
     else:
       train_tokenizer(tok_dir)
   tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -128,9 +132,10 @@ def main():
   parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast on CPUs that have "
                       "it natively (AMX, AVX512-BF16); float32 elsewhere")
   parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-  parser.add_argument("--init-from", help="checkpoint.pt of an earlier run whose weights this "
-                      "run starts from (fresh optimizer and schedule); ignored once WORKDIR has "
-                      "its own checkpoint")
+  parser.add_argument("--init-from", help="checkpoint.pt of an earlier run, or an HF checkpoint "
+                      "directory (the shipped target), whose weights and tokenizer this run "
+                      "starts from (fresh optimizer and schedule); ignored once WORKDIR has its "
+                      "own checkpoint")
   parser.add_argument("--test-share", type=float, help="share of each batch drawn from the test "
                       "suites (default: their share of the corpus, about 0.65)")
   parser.add_argument("--save-every-s", type=float, default=300)
@@ -142,8 +147,10 @@ def main():
   args = parser.parse_args()
   if args.test_share is not None and not 0 <= args.test_share <= 1:
     parser.error(f"--test-share must be in [0, 1], got {args.test_share}")
-  if args.init_from and not os.path.isfile(args.init_from):
-    parser.error(f"--init-from: no checkpoint at {args.init_from}")
+  if args.init_from and not (os.path.isfile(args.init_from)
+                             or os.path.isfile(os.path.join(args.init_from, "model.safetensors"))):
+    parser.error(f"--init-from: no checkpoint.pt or HF checkpoint (model.safetensors) at "
+                 f"{args.init_from}")
 
   if args.bf16 and not cpu_has_native_bf16():
     # Emulated bfloat16 measured 35x slower than float32 (AMD EPYC, AVX2 only).
@@ -157,8 +164,7 @@ def main():
 
   torch.set_num_threads(args.threads)
   os.makedirs(args.workdir, exist_ok=True)
-  tokenizer, splits = prepare_data(
-      args.workdir, os.path.dirname(os.path.abspath(args.init_from)) if args.init_from else None)
+  tokenizer, splits = prepare_data(args.workdir, init_tokenizer_dir(args.init_from))
   eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
   assert tokenizer.convert_tokens_to_ids(MASK_TOKEN) < len(tokenizer)
   tokens_per_step = args.batch_size * args.seq_len
@@ -178,7 +184,7 @@ def main():
     optimizer.load_state_dict(state["optimizer"])
     step = state["step"]
   elif args.init_from:
-    model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+    model.load_state_dict(init_weights(args.init_from))
     print(f"starting from the weights of {args.init_from}", flush=True)
   _truncate_metrics(metrics_path, step)
   if args.export_only:
@@ -240,6 +246,25 @@ def main():
   bar.close()
   if step == total_steps:
     evaluation.export(model, tokenizer, args.out, splits, args.workdir)
+
+
+def init_tokenizer_dir(init_from: str | None) -> str | None:
+  """Where the tokenizer of `--init-from` lives: an HF directory holds its own, a run's
+  checkpoint.pt sits beside the run's `tokenizer/`."""
+  if not init_from:
+    return None
+  if os.path.isdir(init_from):
+    return init_from
+  return os.path.join(os.path.dirname(os.path.abspath(init_from)), "tokenizer")
+
+
+def init_weights(init_from: str) -> dict:
+  """The float32 state dict of `--init-from` (a run's checkpoint.pt or an HF directory)."""
+  import torch
+  if os.path.isdir(init_from):
+    from transformers import Qwen3ForCausalLM
+    return Qwen3ForCausalLM.from_pretrained(init_from, dtype=torch.float32).state_dict()
+  return torch.load(init_from, weights_only=False)["model"]
 
 
 def _truncate_metrics(path: str, step: int):
