@@ -90,6 +90,9 @@ def build_tree(depth_logprobs, budget: int, top_k: int) -> DraftTree:
   logprobs_bdv = _as_logprobs(depth_logprobs)
   batch, depth, vocab = logprobs_bdv.shape
   validate_tree_args(depth, vocab, budget, top_k)
+  # A node's N-th best child comes after its parent and N - 1 siblings in the order, so it is
+  # never among the best N: a wider top-k would only cost time.
+  top_k = min(top_k, budget - 1)
 
   # Beams of every depth, concatenated (root first), each best first; `parents` index this list.
   scores = [jnp.zeros((batch, 1), jnp.float32)]

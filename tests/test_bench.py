@@ -27,15 +27,21 @@ def test_quick_benchmark_writes_results(make_checkpoint, tmp_path):
   out = tmp_path / "results"
   done = run_cli("-m", "jetflow_jax.bench", "--checkpoint", directory, "--head", heads["jetflow"],
                  "--dflash-head", heads["dflash"], "--dataset", f"jsonl:{prompts}", "--limit", "2",
-                 "--budgets", "16", "--max-new-tokens", "8", "--out", str(out))
+                 "--budgets", "16", "--top-k", "2,3", "--max-new-tokens", "8", "--out", str(out))
   assert done.returncode == 0, done.stderr
   record = json.loads((out / "results.json").read_text())
-  cells = {(c["method"], c["temperature"]): c for c in record["cells"]}
-  assert set(cells) == {(m, t) for m in ("ar", "dflash", "ddtree", "jetflow") for t in (0.0, 1.0)}
-  for (method, temperature), cell in cells.items():
+  cells = {(c["method"], c["top_k"], c["temperature"]): c for c in record["cells"]}
+  # The trees run at every top-k; AR and the chain have none.
+  expected = [("ar", None), ("dflash", None)] + [(m, k) for m in ("ddtree", "jetflow")
+                                                 for k in (2, 3)]
+  assert set(cells) == {(m, k, t) for m, k in expected for t in (0.0, 1.0)}
+  assert len(record["cells"]) == len(cells)
+  for (method, _, temperature), cell in cells.items():
     assert cell["num_tokens"] == 16 and cell["wall_s"] > 0 and cell["tau"] >= 1
     assert cell["identical_to_ar"] is (True if temperature == 0 else None)
-  assert cells[("dflash", 0.0)]["budget"] == 5 and cells[("jetflow", 0.0)]["budget"] == 16
+  assert cells[("dflash", None, 0.0)]["budget"] == 5
+  assert cells[("jetflow", 3, 0.0)]["budget"] == 16
   assert record["transformers_peer"]["identical_to_ar"] is True
-  assert "| 0 | jetflow | 16 |" in done.stdout and (out / "results.md").exists()
+  assert "| 0 | jetflow | 16 | 3 |" in done.stdout and "| 0 | dflash | 5 | - |" in done.stdout
+  assert (out / "results.md").exists()
   assert (out / "results.png").stat().st_size > 1000

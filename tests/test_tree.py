@@ -104,10 +104,11 @@ def assert_well_formed(tree, logprobs_bdv):
 
 
 # Every test runs [BATCH, D, VOCAB] inputs through these (D, top_k, budget) so the jitted
-# build_tree compiles once per combination: budgets from 2 to the whole tree, K = 1 to 4.
+# build_tree compiles once per combination: budgets from 2 to the whole tree, K = 1 to 4, and
+# K = the whole vocabulary, wider than the N - 1 children a kept node can have.
 BATCH, VOCAB = 4, 8
-COMBOS = [(1, 3, 2), (1, 4, 5), (2, 2, 7), (2, 4, 12), (3, 1, 4), (3, 2, 9), (3, 3, 20),
-          (4, 2, 31), (4, 3, 50), (4, 4, 120)]
+COMBOS = [(1, 3, 2), (1, 4, 5), (2, 2, 7), (2, 4, 12), (2, 8, 6), (3, 1, 4), (3, 2, 9),
+          (3, 3, 20), (4, 2, 31), (4, 3, 50), (4, 4, 120)]
 
 
 @pytest.mark.parametrize("depth,top_k,budget", COMBOS)
@@ -130,6 +131,17 @@ def test_matches_brute_force(depth, top_k, budget):
           j = parents[j]
         got.add(tuple(reversed(path)))
       assert got == want
+
+
+def test_a_flat_first_depth_fills_the_budget_with_the_roots_children():
+  # Depth 1 nearly uniform, depth 2 unlikely: the best 8 nodes are the root and its 7 best
+  # children, as wide as any kept node's children get; top-k 7 and the whole vocab agree.
+  first = np.log(np.full(8, 1 / 8)) - np.arange(8) * 1e-3
+  logprobs = np.stack([first, np.full(8, -10.0)])[None].astype(np.float32)
+  for top_k in (7, 8):
+    tree = jit_build(logprobs, budget=8, top_k=top_k)
+    np.testing.assert_array_equal(tree.depths[0], [0] + [1] * 7)
+    np.testing.assert_array_equal(tree.tokens[0, 1:], np.arange(7))
 
 
 def test_structure_of_a_large_tree():

@@ -37,7 +37,8 @@ def parse_args(argv=None):
   parser.add_argument("--budgets", default="16,32,64,128,256")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--max-new-tokens", type=int, default=128)
-  parser.add_argument("--top-k", type=int, default=7)
+  parser.add_argument("--top-k", default="7", help="candidate children per depth for the trees; "
+                      "a comma-separated list runs each")
   parser.add_argument("--chat", action="store_true", help="chat-template the prompts")
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
   parser.add_argument("--dtype", default="auto")
@@ -61,6 +62,7 @@ def main(argv=None):
     if unknown := [m for m in methods if m not in ("ar",) + SPECULATIVE]:
       raise InputError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE)}")
     budgets = parse_list(args.budgets, int, "--budgets")
+    top_ks = parse_list(args.top_k, int, "--top-k")
     temperatures = parse_list(args.temperatures, float, "--temperatures")
     dtype = cli.parse_dtype(args.dtype)
     checkpoint = hub.resolve(args.checkpoint) if args.checkpoint else embedded.default_target()
@@ -83,11 +85,12 @@ def main(argv=None):
     prompts = [encode_prompt(tokenizer, p, args.chat) if isinstance(p, str) else p
                for p in raw_prompts]
 
-    total = runs_per_benchmark(methods, budgets, temperatures, len(prompts))
+    total = runs_per_benchmark(methods, budgets, top_ks, temperatures, len(prompts))
     with tqdm.tqdm(total=total, desc="bench", unit="decode") as bar:
-      cells, greedy_ar_tokens = run_benchmark(params, config, heads, prompts, methods=methods, budgets=budgets,
-                            temperatures=temperatures, max_new_tokens=args.max_new_tokens,
-                            top_k=args.top_k, attention=args.attention, on_run=lambda: bar.update())
+      cells, greedy_ar_tokens = run_benchmark(
+          params, config, heads, prompts, methods=methods, budgets=budgets,
+          temperatures=temperatures, max_new_tokens=args.max_new_tokens, top_ks=top_ks,
+          attention=args.attention, on_run=lambda: bar.update())
     peer = None
     greedy_ar = next((c for c in cells if c.method == "ar" and c.temperature == 0), None)
     if not args.no_peer and greedy_ar is not None:

@@ -8,16 +8,17 @@ import os
 
 
 def markdown_table(cells, peer: dict | None = None) -> str:
-  lines = ["| T | method | budget | tau | target forwards | tokens/s | speedup vs AR | = AR |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| T | method | budget | top-k | tau | target forwards | tokens/s | speedup vs AR "
+           "| = AR |", "|---|---|---|---|---|---|---|---|---|"]
   for c in cells:
     same = {None: "", True: "yes", False: "**no**"}[c.identical_to_ar]
-    lines.append(f"| {c.temperature:g} | {c.method} | {c.budget} | {c.tau:.2f} | "
+    top_k = "-" if c.top_k is None else c.top_k
+    lines.append(f"| {c.temperature:g} | {c.method} | {c.budget} | {top_k} | {c.tau:.2f} | "
                  f"{c.num_target_forwards} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | {same} |")
   if peer:
     same = "yes" if peer["identical_to_ar"] else "**no**"
-    lines.append(f"| 0 | transformers generate | - | 1.00 | - | {peer['tokens_per_s']:.1f} | "
-                 f"{peer['speedup']:.2f}x | {same} |")
+    lines.append(f"| 0 | transformers generate | - | - | 1.00 | - | {peer['tokens_per_s']:.1f} "
+                 f"| {peer['speedup']:.2f}x | {same} |")
   return "\n".join(lines)
 
 
@@ -45,16 +46,20 @@ def plot(cells, path: str, title: str = ""):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   temperatures = sorted({c.temperature for c in cells})
+  top_ks = sorted({c.top_k for c in cells if c.top_k is not None})
+  # One line per method and top-k; the top-k goes in the label only where there are several.
+  lines = [("dflash", None)] + [(m, k) for m in ("ddtree", "jetflow") for k in top_ks]
   fig, axes = plt.subplots(2, len(temperatures), figsize=(5 * len(temperatures), 7),
                            squeeze=False)
   for column, temperature in enumerate(temperatures):
     for row, metric in enumerate(("tau", "speedup")):
       ax = axes[row, column]
-      for method in ("dflash", "ddtree", "jetflow"):
-        points = sorted((c.budget, getattr(c, metric)) for c in cells
-                        if c.method == method and c.temperature == temperature)
+      for method, top_k in lines:
+        points = sorted((c.budget, getattr(c, metric)) for c in cells if c.method == method
+                        and c.top_k == top_k and c.temperature == temperature)
         if points:
-          ax.plot(*zip(*points), marker="o", label=method)
+          label = f"{method}, top-k {top_k}" if len(top_ks) > 1 and top_k else method
+          ax.plot(*zip(*points), marker="o", label=label)
       ax.axhline(1.0, color="grey", linestyle=":", label="AR")
       ax.set_xscale("log", base=2)
       ax.set_xlabel("tree budget (nodes)")

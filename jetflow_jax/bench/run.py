@@ -16,6 +16,7 @@ SPECULATIVE = METHODS[1:]  # every method but "ar"
 class Cell:
   method: str
   budget: int  # tree nodes; the chain's D + 1 for dflash, 1 for ar
+  top_k: int | None  # candidate children per depth (trees only)
   temperature: float
   tau: float  # tokens committed per verifying target forward, bonus included
   num_target_forwards: int
@@ -26,7 +27,7 @@ class Cell:
   identical_to_ar: bool | None  # greedy only
 
 
-def _cell(method, budget, temperature, runs, ar_wall_s, ar_tokens) -> Cell:
+def _cell(method, budget, top_k, temperature, runs, ar_wall_s, ar_tokens) -> Cell:
   wall = sum(r.wall_s for r in runs)
   tokens = sum(r.num_tokens for r in runs)
   rounds = sum(len(c) for r in runs for c in r.committed_per_round)
@@ -34,7 +35,7 @@ def _cell(method, budget, temperature, runs, ar_wall_s, ar_tokens) -> Cell:
   identical = None
   if temperature == 0 and ar_tokens is not None:
     identical = [r.tokens for r in runs] == ar_tokens
-  return Cell(method=method, budget=budget, temperature=temperature,
+  return Cell(method=method, budget=budget, top_k=top_k, temperature=temperature,
               tau=committed / rounds if rounds else 0.0,
               num_target_forwards=sum(r.num_target_forwards for r in runs), num_tokens=tokens,
               wall_s=wall, tokens_per_s=tokens / wall, speedup=(ar_wall_s or wall) / wall,
@@ -43,17 +44,18 @@ def _cell(method, budget, temperature, runs, ar_wall_s, ar_tokens) -> Cell:
 
 def run_benchmark(target_params, config, heads: dict, prompts: Sequence[Sequence[int]], *,
                   methods: Sequence[str], budgets: Sequence[int], temperatures: Sequence[float],
-                  max_new_tokens: int, top_k: int = 7, attention: str = "xla",
+                  max_new_tokens: int, top_ks: Sequence[int] = (7,), attention: str = "xla",
                   on_run: Callable[[], None] = lambda: None):
   """Returns (cells, greedy AR tokens per prompt or None); each prompt decodes alone.
 
-  `heads` maps each speculative method to its `(head_config, head_params)`.
+  `heads` maps each speculative method to its `(head_config, head_params)`; the tree
+  methods run at every (budget, top-k) pair.
   """
   cells, greedy_ar_tokens = [], None
   for temperature in temperatures:
     sampler = make_sampler(temperature)
 
-    def decode_all(method, budget):
+    def decode_all(method, budget, top_k=0):
       head_config, head_params = heads.get(method, (None, None))
       runs = []
       for seed, prompt in enumerate(prompts):
@@ -70,20 +72,24 @@ def run_benchmark(target_params, config, heads: dict, prompts: Sequence[Sequence
     if temperature == 0:
       greedy_ar_tokens = [t[0] for t in ar_tokens]
     if "ar" in methods:
-      cells.append(_cell("ar", 1, temperature, ar_runs, ar_wall, ar_tokens))
+      cells.append(_cell("ar", 1, None, temperature, ar_runs, ar_wall, ar_tokens))
     for method in methods:
-      if method == "ar":
-        continue
-      for budget in ([0] if method == "dflash" else budgets):
-        runs = decode_all(method, budget)
-        depth = heads[method][0].depth
-        cells.append(_cell(method, budget or depth + 1, temperature, runs, ar_wall, ar_tokens))
+      if method == "dflash":
+        runs = decode_all(method, 0)
+        cells.append(_cell(method, heads[method][0].depth + 1, None, temperature, runs, ar_wall,
+                           ar_tokens))
+      elif method != "ar":
+        for budget in budgets:
+          for top_k in top_ks:
+            runs = decode_all(method, budget, top_k)
+            cells.append(_cell(method, budget, top_k, temperature, runs, ar_wall, ar_tokens))
   return cells, greedy_ar_tokens
 
 
-def runs_per_benchmark(methods, budgets, temperatures, num_prompts) -> int:
+def runs_per_benchmark(methods, budgets, top_ks, temperatures, num_prompts) -> int:
   """How many single-prompt decodes `run_benchmark` makes (for a progress bar)."""
-  per_temperature = 1 + sum(1 if m == "dflash" else len(budgets) for m in methods if m != "ar")
+  per_temperature = 1 + sum(1 if m == "dflash" else len(budgets) * len(top_ks)
+                            for m in methods if m != "ar")
   return per_temperature * len(temperatures) * num_prompts
 
 
