@@ -57,18 +57,39 @@ def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: i
   return outputs
 
 
-def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdir: str):
+def continuation_nll(model, tokenizer, prompts: list[str], continuations) -> float:
+  """Mean NLL (nats/token) of each prompt's continuation under `model`."""
+  import torch
+  model.eval()
+  nlls = []
+  with torch.no_grad():
+    for prompt, continuation in zip(prompts, continuations):
+      prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+      ids = torch.tensor([prompt_ids + list(continuation)])
+      log_probs = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1], -1)
+      nlls.append(-log_probs.gather(-1, ids[0, len(prompt_ids):, None]).mean().item())
+  return float(np.mean(nlls))
+
+
+def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdir: str,
+           reference=None):
   """Measures the quality bar and writes the bfloat16 HF checkpoint plus `quality.json`.
 
   `splits` holds the token streams `heldout` (the random sample) and `heldout_modules`.
+  With a `reference` model (the one a fine-tune started from), also the NLL of the HumanEval
+  continuations under it: distinct 4-grams alone also reward junk.
   """
   import torch
   # At the training context (512) and at 256, the window the first target was measured with.
   quality = {f"{split}_loss_{window}": heldout_loss(model, splits[split], window)
              for split in ("heldout", "heldout_modules") for window in (512, 256)}
-  continuations = greedy_continuations(model, tokenizer, humaneval_prompts())
+  prompts = humaneval_prompts()
+  continuations = greedy_continuations(model, tokenizer, prompts)
   quality["humaneval_distinct_4gram"] = float(np.mean(
       [distinct_ngram_ratio(c) for c in continuations]))
+  if reference is not None:
+    quality["humaneval_reference_nll"] = continuation_nll(reference, tokenizer, prompts,
+                                                          continuations)
   quality["num_params"] = sum(p.numel() for p in model.parameters())
   print(json.dumps(quality), flush=True)
   model.to(torch.bfloat16).save_pretrained(out_dir)
@@ -116,11 +137,33 @@ def loss_report(target_dir: str, sample_files: int = 60, seed: int = 0) -> dict[
   return report
 
 
+def continuation_report(target_dir: str, reference_dir: str, limit: int) -> dict[str, float]:
+  import torch
+  from transformers import AutoTokenizer, Qwen3ForCausalLM
+  tokenizer = AutoTokenizer.from_pretrained(target_dir)
+  model, reference = (Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32)
+                      for d in (target_dir, reference_dir))
+  prompts = humaneval_prompts()[:limit]
+  continuations = greedy_continuations(model, tokenizer, prompts)
+  return {"humaneval_distinct_4gram": float(np.mean([distinct_ngram_ratio(c)
+                                                     for c in continuations])),
+          "humaneval_reference_nll": continuation_nll(reference, tokenizer, prompts,
+                                                      continuations),
+          "prompts": len(prompts)}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--target", default=None, help="default: the embedded target")
+  parser.add_argument("--reference", help="instead: the target's greedy HumanEval continuations, "
+                      "their distinct 4-grams and their NLL under this model")
+  parser.add_argument("--limit", type=int, default=164, help="HumanEval prompts (--reference)")
   args = parser.parse_args()
   from jetflow_jax import embedded
+  if args.reference:
+    print(json.dumps(continuation_report(args.target or embedded.default_target(),
+                                         args.reference, args.limit)))
+    return
   for name, loss in loss_report(args.target or embedded.default_target()).items():
     print(f"{name:45s} {loss:.3f}")
 

@@ -4,6 +4,8 @@
       docs/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
       runs/embedded/head_dflash docs/embedded_heads.png
+  python -m jetflow_jax.embedded.plot --rollouts runs/embedded/unlikelihood runs/embedded/teacher \
+      docs/target_rollout_finetune.png
 """
 
 from __future__ import annotations
@@ -106,15 +108,41 @@ def plot_heads(*workdirs: str, out: str) -> str:
   return _save(fig, out)
 
 
+def plot_rollout_finetunes(*workdirs: str, out: str) -> str:
+  """Held-out loss, distinct 4-grams of held-out snippets' greedy continuations and their NLL
+  under the starting model against step, one line per fine-tune (`pretrain
+  --unlikelihood-batch`), labelled by its workdir's name."""
+  plt = _pyplot()
+  panels = (("heldout_loss", "held-out loss (nats/token)", 2.5),
+            ("heldout_distinct_4gram", "distinct 4-grams, held-out snippets", 0.4),
+            ("heldout_rollout_reference_nll", "their NLL under the starting model", None))
+  fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+  for ax, (key, title, bar) in zip(axes, panels):
+    for i, workdir in enumerate(workdirs):
+      points = [(r["step"], r[key]) for r in _rows(workdir) if key in r]
+      if points:
+        ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{i}",
+                label=os.path.basename(workdir))
+    if bar is not None:
+      ax.axhline(bar, color="grey", linestyle=":", label=f"bar {bar}")
+    ax.set(xlabel="fine-tuning step", title=title)
+    ax.legend(fontsize=7)
+  return _save(fig, out)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--heads", action="store_true",
                       help="the two head workdirs (JetFlow, then DFlash) instead of the target's")
+  parser.add_argument("--rollouts", action="store_true",
+                      help="fine-tunes against the target's loops (pretrain --unlikelihood-batch)")
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("out")
   args = parser.parse_args()
   if args.heads:
     print(plot_heads(*args.workdirs, out=args.out))
+  elif args.rollouts:
+    print(plot_rollout_finetunes(*args.workdirs, out=args.out))
   else:
     print(plot_pretraining(*args.workdirs, out=args.out))
 

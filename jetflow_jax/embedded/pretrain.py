@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from jetflow_jax.embedded import corpus, evaluation
+from jetflow_jax.embedded import corpus, evaluation, unlikelihood
 from jetflow_jax.embedded.tokenizer import EOS_TOKEN, MASK_TOKEN, train_tokenizer
 
 
@@ -138,6 +138,15 @@ def main():
                       "own checkpoint")
   parser.add_argument("--test-share", type=float, help="share of each batch drawn from the test "
                       "suites (default: their share of the corpus, about 0.65)")
+  parser.add_argument("--unlikelihood-batch", type=int, default=0, help="each step also "
+                      "penalises repeated 4-grams in this many of the model's own greedy "
+                      "continuations of training-file prompts (jetflow_jax.embedded.unlikelihood)")
+  parser.add_argument("--unlikelihood-weight", type=float, default=1.0)
+  parser.add_argument("--rollout-loss", choices=("teacher", "unlikelihood"), default="teacher",
+                      help="teacher: match the --init-from model with repeats removed; "
+                      "unlikelihood: -log(1 - p) of repeats (escapes into junk)")
+  parser.add_argument("--unlikelihood-tokens", type=int, default=128,
+                      help="tokens per continuation")
   parser.add_argument("--save-every-s", type=float, default=300)
   parser.add_argument("--eval-every", type=int, default=200)
   parser.add_argument("--export-only", action="store_true",
@@ -147,6 +156,10 @@ def main():
   args = parser.parse_args()
   if args.test_share is not None and not 0 <= args.test_share <= 1:
     parser.error(f"--test-share must be in [0, 1], got {args.test_share}")
+  if args.unlikelihood_batch < 0 or args.unlikelihood_tokens < 4:
+    parser.error("--unlikelihood-batch must be >= 0 and --unlikelihood-tokens >= 4")
+  if args.unlikelihood_batch and not args.init_from:
+    parser.error("--unlikelihood-batch needs --init-from: the model whose loops it fixes")
   if args.init_from and not (os.path.isfile(args.init_from)
                              or os.path.isfile(os.path.join(args.init_from, "model.safetensors"))):
     parser.error(f"--init-from: no checkpoint.pt or HF checkpoint (model.safetensors) at "
@@ -201,6 +214,13 @@ def main():
   eval_batches = {f"{split}_loss": [batch_windows(splits[split], np.random.default_rng(1000 + i),
                                                   16, args.seq_len) for i in range(4)]
                   for split in ("heldout", "heldout_modules")}
+  if args.unlikelihood_batch:
+    reference = Qwen3ForCausalLM(model_config(len(tokenizer), eos_id)).eval()
+    reference.load_state_dict(init_weights(args.init_from))
+    rollout_prompts = unlikelihood.prompt_pool(tokenizer, 4000, seed=5)
+    # Monitored on held-out snippets: the loops the term is for, on text it never reads.
+    monitor_prompts = unlikelihood.prompt_sources.snippet_prompts(tokenizer, 32, 48, seed=9,
+                                                                  heldout=True)
   stop_requested = []  # SIGTERM/SIGINT finish the current step, save, then exit
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop_requested.append(True))
@@ -218,18 +238,43 @@ def main():
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
       loss = train_model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
-    loss.backward()
+      record = {}
+      objective = loss
+      if args.unlikelihood_batch:
+        picked = rng.choice(len(rollout_prompts), args.unlikelihood_batch, replace=False)
+        ids, mask = unlikelihood.greedy_rollouts(model, [rollout_prompts[i] for i in picked],
+                                                 eos_id, args.unlikelihood_tokens)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = train_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        if args.rollout_loss == "teacher":
+          with torch.no_grad():
+            reference_logits = reference(input_ids=ids, attention_mask=mask,
+                                         position_ids=positions).logits
+          term, record["repeated_share"] = unlikelihood.corrected_teacher_loss(
+              logits, reference_logits, ids, mask, unlikelihood.PROMPT_TOKENS)
+        else:
+          term, record["repeated_share"] = unlikelihood.unlikelihood_loss(
+              logits, ids, mask, unlikelihood.PROMPT_TOKENS)
+        record["unlikelihood"] = term.item()
+        objective = loss + args.unlikelihood_weight * term
+    objective.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     step += 1
     steps_now += 1
-    record = {"step": step, "tokens": step * tokens_per_step, "loss": loss.item(), "lr": lr,
-              "grad_norm": float(grad_norm),
-              "tokens_per_s": tokens_per_step / (time.perf_counter() - start)}
+    record.update({"step": step, "tokens": step * tokens_per_step, "loss": loss.item(),
+                   "lr": lr, "grad_norm": float(grad_norm),
+                   "tokens_per_s": tokens_per_step / (time.perf_counter() - start)})
     if step % args.eval_every == 0 or step == total_steps:
       for name, batches in eval_batches.items():
         record[name] = evaluation.mean_loss(model, batches)
+      if args.unlikelihood_batch:
+        ids, mask = unlikelihood.greedy_rollouts(model, monitor_prompts, eos_id, 128)
+        record["heldout_distinct_4gram"] = float(np.mean(
+            [evaluation.distinct_ngram_ratio(row) for row in ids[:, -128:].tolist()]))
+        record["heldout_rollout_reference_nll"] = unlikelihood.reference_nll(
+            reference, ids, mask, unlikelihood.PROMPT_TOKENS)
       model.train()
     with open(metrics_path, "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -245,7 +290,8 @@ def main():
       break
   bar.close()
   if step == total_steps:
-    evaluation.export(model, tokenizer, args.out, splits, args.workdir)
+    evaluation.export(model, tokenizer, args.out, splits, args.workdir,
+                      reference if args.unlikelihood_batch else None)
 
 
 def init_tokenizer_dir(init_from: str | None) -> str | None:
