@@ -96,8 +96,7 @@ def test_left_padded_rollouts_match_unpadded_greedy_and_training_logits():
   ids, mask = unlikelihood.greedy_rollouts(model, prompts, pad_id=0, new_tokens=6)
   assert ids.shape == (3, PROMPT_TOKENS + 6) and mask[:, PROMPT_TOKENS:].all()
   # The training forward reads the padded rows at their unpadded positions.
-  padded_logits = model(input_ids=ids, attention_mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+  padded_logits = unlikelihood.rollout_logits(model, ids, mask)
   with torch.no_grad():
     for row, prompt in enumerate(prompts):
       alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
@@ -110,10 +109,9 @@ def test_left_padded_rollouts_match_unpadded_greedy_and_training_logits():
 def test_one_step_down_the_term_lowers_it():
   model = make_hf_model(seed=4, vocab_size=16)  # a small vocabulary loops
   ids, mask = unlikelihood.greedy_rollouts(model, [[1, 2, 3, 4], [5, 6]], pad_id=0, new_tokens=24)
-  positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
   def term():
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logits = unlikelihood.rollout_logits(model, ids, mask)
     return unlikelihood.unlikelihood_loss(logits, ids, mask, PROMPT_TOKENS)
 
   before, share = term()

@@ -71,6 +71,19 @@ def continuation_nll(model, tokenizer, prompts: list[str], continuations) -> flo
   return float(np.mean(nlls))
 
 
+def humaneval_continuation_quality(model, tokenizer, prompts: list[str],
+                                   reference=None) -> dict[str, float]:
+  """Distinct 4-grams of the model's greedy continuations and, given a reference model, their
+  NLL under it."""
+  continuations = greedy_continuations(model, tokenizer, prompts)
+  quality = {"humaneval_distinct_4gram": float(np.mean(
+      [distinct_ngram_ratio(c) for c in continuations]))}
+  if reference is not None:
+    quality["humaneval_reference_nll"] = continuation_nll(reference, tokenizer, prompts,
+                                                          continuations)
+  return quality
+
+
 def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdir: str,
            reference=None):
   """Measures the quality bar and writes the bfloat16 HF checkpoint plus `quality.json`.
@@ -83,13 +96,8 @@ def export(model, tokenizer, out_dir: str, splits: dict[str, np.ndarray], workdi
   # At the training context (512) and at 256, the window the first target was measured with.
   quality = {f"{split}_loss_{window}": heldout_loss(model, splits[split], window)
              for split in ("heldout", "heldout_modules") for window in (512, 256)}
-  prompts = humaneval_prompts()
-  continuations = greedy_continuations(model, tokenizer, prompts)
-  quality["humaneval_distinct_4gram"] = float(np.mean(
-      [distinct_ngram_ratio(c) for c in continuations]))
-  if reference is not None:
-    quality["humaneval_reference_nll"] = continuation_nll(reference, tokenizer, prompts,
-                                                          continuations)
+  quality.update(humaneval_continuation_quality(model, tokenizer, humaneval_prompts(),
+                                                reference))
   quality["num_params"] = sum(p.numel() for p in model.parameters())
   print(json.dumps(quality), flush=True)
   model.to(torch.bfloat16).save_pretrained(out_dir)
@@ -144,12 +152,8 @@ def continuation_report(target_dir: str, reference_dir: str, limit: int) -> dict
   model, reference = (Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32)
                       for d in (target_dir, reference_dir))
   prompts = humaneval_prompts()[:limit]
-  continuations = greedy_continuations(model, tokenizer, prompts)
-  return {"humaneval_distinct_4gram": float(np.mean([distinct_ngram_ratio(c)
-                                                     for c in continuations])),
-          "humaneval_reference_nll": continuation_nll(reference, tokenizer, prompts,
-                                                      continuations),
-          "prompts": len(prompts)}
+  return dict(humaneval_continuation_quality(model, tokenizer, prompts, reference),
+              prompts=len(prompts))
 
 
 def main():

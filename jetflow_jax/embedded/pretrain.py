@@ -244,12 +244,10 @@ def main():
         picked = rng.choice(len(rollout_prompts), args.unlikelihood_batch, replace=False)
         ids, mask = unlikelihood.greedy_rollouts(model, [rollout_prompts[i] for i in picked],
                                                  eos_id, args.unlikelihood_tokens)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = train_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits = unlikelihood.rollout_logits(train_model, ids, mask)
         if args.rollout_loss == "teacher":
           with torch.no_grad():
-            reference_logits = reference(input_ids=ids, attention_mask=mask,
-                                         position_ids=positions).logits
+            reference_logits = unlikelihood.rollout_logits(reference, ids, mask)
           term, record["repeated_share"] = unlikelihood.corrected_teacher_loss(
               logits, reference_logits, ids, mask, unlikelihood.PROMPT_TOKENS)
         else:
@@ -272,7 +270,8 @@ def main():
       if args.unlikelihood_batch:
         ids, mask = unlikelihood.greedy_rollouts(model, monitor_prompts, eos_id, 128)
         record["heldout_distinct_4gram"] = float(np.mean(
-            [evaluation.distinct_ngram_ratio(row) for row in ids[:, -128:].tolist()]))
+            [evaluation.distinct_ngram_ratio(row)
+             for row in ids[:, unlikelihood.PROMPT_TOKENS:].tolist()]))
         record["heldout_rollout_reference_nll"] = unlikelihood.reference_nll(
             reference, ids, mask, unlikelihood.PROMPT_TOKENS)
       model.train()

@@ -1,11 +1,12 @@
-"""Sequence-level unlikelihood against the target's own loops (Welleck et al., 2020).
+"""Terms against the target's own loops, read on its greedy continuations (rollouts).
 
 A small model's greedy continuations loop: more language-model training lowered the
-embedded target's held-out loss and made its loops worse. This term reads the model's
-own greedy continuations of training-file prompts and pushes down the probability of
-every token that belongs to a 4-gram already seen in the prompt or continuation:
-`-log(1 - p(token))`, summed over those tokens and divided by all continuation tokens.
-`pretrain --unlikelihood-batch B` adds it to each step's language-model loss.
+embedded target's held-out loss and made its loops worse. `pretrain --unlikelihood-batch B`
+adds to each step's language-model loss a term on B rollouts of training-file prompts, on
+every continuation token that belongs to a 4-gram already seen in the prompt or
+continuation:
+- `unlikelihood_loss`, sequence-level unlikelihood (Welleck et al., 2020): `-log(1 - p)`;
+- `corrected_teacher_loss`: cross-entropy against the starting model with that token removed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def repeated_ngram_mask(tokens, continuation_start: int, n: int = 4) -> np.ndarr
     if gram in seen:
       mask[max(end - n, continuation_start):end] = True
     seen.add(gram)
-  mask[:continuation_start] = False
   return mask
 
 
@@ -66,27 +66,32 @@ def greedy_rollouts(model, prompt_ids: list[list[int]], pad_id: int, new_tokens:
   return out, full_mask
 
 
+def rollout_logits(model, ids, attention_mask):
+  """`[B, T, V]` logits of left-padded rows, each read at its unpadded positions."""
+  return model(input_ids=ids, attention_mask=attention_mask,
+               position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+
+
+def rollout_marks(ids, attention_mask, continuation_start: int, n: int = 4) -> np.ndarray:
+  """`[B, T]` bool: `repeated_ngram_mask` of each row, n-grams counted over its unpadded text."""
+  marks = np.zeros(ids.shape, bool)
+  for row, (tokens, mask) in enumerate(zip(ids.numpy(), attention_mask.numpy())):
+    first = int(np.argmax(mask))  # left padding: the text starts at the first unmasked slot
+    marks[row, first:] = repeated_ngram_mask(tokens[first:], continuation_start - first, n)
+  return marks
+
+
 def unlikelihood_loss(logits, ids, attention_mask, continuation_start: int, n: int = 4):
   """The term for `[B, T]` rollouts (ids with their padding mask) and the model's `[B, T, V]`
   logits over them; also returns the share of continuation tokens penalised."""
   import torch
-  marks = np.stack([_row_marks(row, m, continuation_start, n)
-                    for row, m in zip(ids.numpy(), attention_mask.numpy())])
-  marks = torch.from_numpy(marks[:, 1:])  # predicted tokens: position t from logits t - 1
+  marks = torch.from_numpy(rollout_marks(ids, attention_mask, continuation_start, n)[:, 1:])  # predicted tokens: position t from logits t - 1
   log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
   token_log_probs = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
   # log(1 - p), kept finite where the model is already sure of the repeat.
   penalty = -torch.log(torch.clamp(1 - token_log_probs.exp(), min=1e-5))
   num_continuation = ids.shape[0] * (ids.shape[1] - continuation_start)
   return (penalty * marks).sum() / num_continuation, float(marks.sum()) / num_continuation
-
-
-def _row_marks(row: np.ndarray, mask: np.ndarray, continuation_start: int, n: int) -> np.ndarray:
-  """One padded row's marks, n-grams counted over its unpadded text only."""
-  first = int(np.argmax(mask))  # left padding: the text starts at the first unmasked slot
-  marks = np.zeros(len(row), bool)
-  marks[first:] = repeated_ngram_mask(row[first:], continuation_start - first, n)
-  return marks
 
 
 def corrected_teacher_loss(logits, reference_logits, ids, attention_mask,
@@ -99,8 +104,7 @@ def corrected_teacher_loss(logits, reference_logits, ids, attention_mask,
   Returns the term and the share of continuation tokens whose teacher was corrected.
   """
   import torch
-  marks = torch.from_numpy(np.stack([_row_marks(row, m, continuation_start, n)
-                                     for row, m in zip(ids.numpy(), attention_mask.numpy())]))
+  marks = torch.from_numpy(rollout_marks(ids, attention_mask, continuation_start, n))
   targets, marks = ids[:, continuation_start:], marks[:, continuation_start:]
   teacher = torch.softmax(reference_logits[:, continuation_start - 1:-1].float(), dim=-1)
   repeated = torch.zeros_like(teacher).scatter(-1, targets[..., None], marks[..., None].float())
@@ -115,7 +119,6 @@ def reference_nll(reference, ids, attention_mask, continuation_start: int) -> fl
   read to the model before the fine-tune (junk reads high)."""
   import torch
   with torch.no_grad():
-    logits = reference(input_ids=ids, attention_mask=attention_mask,
-                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logits = rollout_logits(reference, ids, attention_mask)
   log_probs = torch.log_softmax(logits[:, continuation_start - 1:-1].float(), dim=-1)
   return float(-log_probs.gather(-1, ids[:, continuation_start:, None]).mean())
