@@ -4,7 +4,8 @@
       docs/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
       runs/embedded/head_dflash docs/embedded_heads.png
-  python -m jetflow_jax.embedded.plot --rollouts runs/embedded/unlikelihood runs/embedded/teacher \
+  python -m jetflow_jax.embedded.plot --rollouts runs/embedded/unlikelihood \
+      runs/embedded/teacher,runs/embedded/teacher2 \
       docs/target_rollout_finetune.png
 """
 
@@ -111,18 +112,23 @@ def plot_heads(*workdirs: str, out: str) -> str:
 def plot_rollout_finetunes(*workdirs: str, out: str) -> str:
   """Held-out loss, distinct 4-grams of held-out snippets' greedy continuations and their NLL
   under the starting model against step, one line per fine-tune (`pretrain
-  --unlikelihood-batch`), labelled by its workdir's name."""
+  --unlikelihood-batch`), labelled by its workdir's name; `A,B` is one line of a run B that
+  continued A (`--init-from A/checkpoint.pt`), its steps counted on."""
   plt = _pyplot()
   panels = (("heldout_loss", "held-out loss (nats/token)", 2.5),
             ("heldout_distinct_4gram", "distinct 4-grams, held-out snippets", 0.4),
             ("heldout_rollout_reference_nll", "their NLL under the starting model", None))
   fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
   for ax, (key, title, bar) in zip(axes, panels):
-    for i, workdir in enumerate(workdirs):
-      points = [(r["step"], r[key]) for r in _rows(workdir) if key in r]
+    for i, chain in enumerate(workdirs):
+      stages = chain.split(",")
+      points = [(r["step"], r[key]) for r in _continued(stages) if key in r]
       if points:
         ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{i}",
-                label=os.path.basename(workdir))
+                label=" then ".join(os.path.basename(stage) for stage in stages))
+      for stages_before in range(1, len(stages)):  # a new stage: a new starting model
+        ax.axvline(_continued(stages[:stages_before])[-1]["step"], color=f"C{i}",
+                   linewidth=0.8, linestyle="--")
     if bar is not None:
       ax.axhline(bar, color="grey", linestyle=":", label=f"bar {bar}")
     ax.set(xlabel="fine-tuning step", title=title)
