@@ -118,17 +118,20 @@ def plot_rollout_finetunes(*workdirs: str, out: str) -> str:
   panels = (("heldout_loss", "held-out loss (nats/token)", 2.5),
             ("heldout_distinct_4gram", "distinct 4-grams, held-out snippets", 0.4),
             ("heldout_rollout_reference_nll", "their NLL under the starting model", None))
+  chains = []  # (label, rows, steps where a later stage starts from a new model)
+  for chain in workdirs:
+    stages = chain.split(",")
+    chains.append((" then ".join(os.path.basename(stage) for stage in stages),
+                   _continued(stages),
+                   [_continued(stages[:count])[-1]["step"] for count in range(1, len(stages))]))
   fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
   for ax, (key, title, bar) in zip(axes, panels):
-    for i, chain in enumerate(workdirs):
-      stages = chain.split(",")
-      points = [(r["step"], r[key]) for r in _continued(stages) if key in r]
+    for i, (label, rows, stage_starts) in enumerate(chains):
+      points = [(r["step"], r[key]) for r in rows if key in r]
       if points:
-        ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{i}",
-                label=" then ".join(os.path.basename(stage) for stage in stages))
-      for stages_before in range(1, len(stages)):  # a new stage: a new starting model
-        ax.axvline(_continued(stages[:stages_before])[-1]["step"], color=f"C{i}",
-                   linewidth=0.8, linestyle="--")
+        ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{i}", label=label)
+      for step in stage_starts:
+        ax.axvline(step, color=f"C{i}", linewidth=0.8, linestyle="--")
     if bar is not None:
       ax.axhline(bar, color="grey", linestyle=":", label=f"bar {bar}")
     ax.set(xlabel="fine-tuning step", title=title)

@@ -214,6 +214,7 @@ def main():
   eval_batches = {f"{split}_loss": [batch_windows(splits[split], np.random.default_rng(1000 + i),
                                                   16, args.seq_len) for i in range(4)]
                   for split in ("heldout", "heldout_modules")}
+  reference = None  # the --init-from model, kept frozen for the rollout terms
   if args.unlikelihood_batch:
     reference = Qwen3ForCausalLM(model_config(len(tokenizer), eos_id)).eval()
     reference.load_state_dict(init_weights(args.init_from))
@@ -289,8 +290,7 @@ def main():
       break
   bar.close()
   if step == total_steps:
-    evaluation.export(model, tokenizer, args.out, splits, args.workdir,
-                      reference if args.unlikelihood_batch else None)
+    evaluation.export(model, tokenizer, args.out, splits, args.workdir, reference)
 
 
 def init_tokenizer_dir(init_from: str | None) -> str | None:

@@ -85,7 +85,8 @@ def unlikelihood_loss(logits, ids, attention_mask, continuation_start: int, n: i
   """The term for `[B, T]` rollouts (ids with their padding mask) and the model's `[B, T, V]`
   logits over them; also returns the share of continuation tokens penalised."""
   import torch
-  marks = torch.from_numpy(rollout_marks(ids, attention_mask, continuation_start, n)[:, 1:])  # predicted tokens: position t from logits t - 1
+  # Predicted tokens: position t is read from logits t - 1.
+  marks = torch.from_numpy(rollout_marks(ids, attention_mask, continuation_start, n)[:, 1:])
   log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
   token_log_probs = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
   # log(1 - p), kept finite where the model is already sure of the repeat.
