@@ -3,12 +3,11 @@
   python train.py --config=configs/embedded.py:jetflow --workdir=runs/embedded/head_jetflow
   python train.py --config=configs/embedded.py:dflash --workdir=runs/embedded/head_dflash
 
-Both heads read the same regenerated data (`data.regenerated`), made once from
-`data.prompts` (`python -m jetflow_jax.embedded.prompts`); scripts/build_embedded.sh
-runs the whole pipeline, including the stages the shipped heads were trained in (each a
-longer `--config.train.num_steps=N` on the same workdir, then a last one on fresh
-continuations from `--config.train.init_head`). Same size, data and steps: only the
-in-block mask differs.
+Both heads read the same regenerated data (`data.regenerated`): the target's greedy
+continuations of 20,000 training-file prompts (`python -m jetflow_jax.embedded.prompts`,
+seeds 4 and 5). scripts/build_embedded.sh runs the whole pipeline, and trains the shipped
+heads as `--config.data.prompts= --config.train.epochs=4 --config.train.num_steps=2200`.
+Same size, data and steps: only the in-block mask differs.
 """
 
 from jetflow_jax import embedded
@@ -24,7 +23,7 @@ def get_config(arg: str | None = "jetflow"):
   # 2 layers at a third of the target's MLP width: under 15% of its non-embedding params.
   c.head.num_layers = 2
   c.head.intermediate_size = 256
-  c.head.target_layer_ids = (1, 5)
+  c.head.target_layer_ids = (1, 6)
   c.head.block_size = 16
   c.head.mask_token_id = 1  # <|mask|> in the embedded tokenizer
   c.head.causal = arg == "jetflow"
@@ -41,6 +40,8 @@ def get_config(arg: str | None = "jetflow"):
   # overlap and cost full-vocabulary logits (the step's main cost on CPU) for little new signal.
   c.train.num_anchors = 16
   c.train.lr = 2e-3
+  # Weigh depth k by exp(-(k-1)/7): the far depths a tree rarely reaches get less say.
+  c.train.depth_gamma = 7.0
   c.train.epochs = 4
   c.train.log_every = 20
   c.train.checkpoint_every = 100

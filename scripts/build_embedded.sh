@@ -2,10 +2,10 @@
 # Rebuilds the embedded default pair from the CPython standard library, on CPU, resumably:
 # re-running continues each step from where it stopped (checkpoints live in $WORK).
 #   1. BPE tokenizer + pre-trained target      (jetflow_jax.embedded.pretrain)
-#   2. snippet prompts from held-in files      (jetflow_jax.embedded.prompts)
-#   3. the target's own continuations          (jetflow_jax.train.regenerate)
-#   4. the two heads                           (train.py, configs/embedded.py)
-#   5. fresh prompts, a third HumanEval-shaped, their continuations, and a last head stage
+#   2. two fine-tune stages against the target's own greedy loops (pretrain --rollout-loss)
+#   3. snippet and function prompts from held-in files (jetflow_jax.embedded.prompts)
+#   4. the final target's own continuations    (jetflow_jax.train.regenerate)
+#   5. the two heads, side by side             (train.py, configs/embedded.py)
 #   6. the heads' held-out agreement           (jetflow_jax.embedded.head_eval)
 # Finished checkpoints land in jetflow_jax/embedded/checkpoints/ (bfloat16).
 set -euo pipefail
@@ -14,68 +14,58 @@ PY=${PY:-.venv/bin/python}
 WORK=${WORK:-runs/embedded}
 OUT=jetflow_jax/embedded/checkpoints
 TOKENS=${TOKENS:-10e6}
+ROLLOUT_TOKENS=${ROLLOUT_TOKENS:-1.6384e6}  # 400 steps of 8 x 512 tokens per stage
 THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
-PROMPTS=${PROMPTS:-16000}
-# Both heads, HEAD_BATCH continuations a step over the target's continuations of $PROMPTS
-# snippets, in stages: each resumes the last and restarts the cosine schedule over its own
-# total steps.
-HEAD_STAGES=${HEAD_STAGES:-"800 2000 3200"}  # the shipped heads
-HEAD_BATCH=${HEAD_BATCH:-16}
-# The last stage: each head fine-tuned from its staged state on fresh continuations (snippets
-# drawn with another seed, and documented functions' signature and docstring, the shape of a
-# HumanEval prompt), with a fresh optimizer and schedule.
-FRESH_SNIPPETS=${FRESH_SNIPPETS:-12000}
-FUNCTIONS=${FUNCTIONS:-6000}
-FINAL_STEPS=${FINAL_STEPS:-2000}
-FINAL_LR=${FINAL_LR:-8e-4}
+HEAD_STEPS=${HEAD_STEPS:-2200}
+HEAD_EPOCHS=${HEAD_EPOCHS:-4}  # 2,200 steps x 16 rows cover the 20,000 continuations 1.8 times
 
 mkdir -p "$WORK"
+pretrain() {  # --bf16 takes effect only where the CPU has native bfloat16 (AMX, AVX512-BF16).
+  env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain --bf16 --compile \
+      --threads "$THREADS" "$@"
+}
 if [ ! -f "$OUT/target/model.safetensors" ]; then
-  # --bf16 takes effect only where the CPU has native bfloat16 (AMX, AVX512-BF16).
-  env OMP_WAIT_POLICY=PASSIVE $PY -m jetflow_jax.embedded.pretrain --workdir "$WORK/pretrain" \
-      --out "$OUT/target" --tokens "$TOKENS" --bf16 --compile --threads "$THREADS"
+  [ -f "$WORK/base_target/model.safetensors" ] || pretrain --workdir "$WORK/pretrain" \
+      --out "$WORK/base_target" --tokens "$TOKENS"
+  # Each step adds, to a corpus batch with the test suites cut to a quarter, a loss on 16 of
+  # the model's own greedy continuations: match the stage's starting model with the token
+  # that repeats a 4-gram removed. The second stage starts from, and is taught by, the first.
+  rollout=(--test-share 0.25 --lr 5e-4 --unlikelihood-batch 16 --rollout-loss teacher
+           --eval-every 100 --tokens "$ROLLOUT_TOKENS")
+  [ -f "$WORK/rollout1_target/model.safetensors" ] || pretrain "${rollout[@]}" \
+      --init-from "$WORK/base_target" --workdir "$WORK/rollout1" --out "$WORK/rollout1_target"
+  pretrain "${rollout[@]}" --init-from "$WORK/rollout1/checkpoint.pt" \
+      --workdir "$WORK/rollout2" --out "$OUT/target"
 fi
-[ -f "$WORK/prompts.jsonl" ] || $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" \
-    --out "$WORK/prompts.jsonl" --count "$PROMPTS"
+prompts() {
+  $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" "$@"
+}
+if [ ! -f "$WORK/prompts.jsonl" ]; then
+  # Two seeds, each with snippets of training files and, a third as many again, documented
+  # functions' signature and docstring (the shape of a HumanEval prompt). Seeds 4 and 5 are
+  # neither head_eval's (2) nor any earlier heads' (0, 3); the order is the one trained on.
+  prompts --out "$WORK/snippets4.jsonl" --count 4000 --seed 4
+  prompts --out "$WORK/functions4.jsonl" --count 2000 --kind function --prompt-tokens 96 --seed 4
+  prompts --out "$WORK/snippets5.jsonl" --count 10000 --seed 5
+  prompts --out "$WORK/functions5.jsonl" --count 4000 --kind function --prompt-tokens 96 --seed 5
+  cat "$WORK"/{snippets4,functions4,snippets5,functions5}.jsonl > "$WORK/prompts.jsonl.tmp"
+  mv "$WORK/prompts.jsonl.tmp" "$WORK/prompts.jsonl"
+fi
 # Resumes by record id; transformers' generate decodes this target twice as fast as our loop.
-regenerate() {
-  $PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --target "$OUT/target" \
-      --prompts "$1" --out "$2" --max-new-tokens 256 --batch-size 64
-}
-train_heads() {  # Side by side, one core each: same data, same steps. Extra arguments go to both.
-  local core=0 pids=()
-  for kind in jetflow dflash; do
-    taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
-        --config.train.batch_size="$HEAD_BATCH" "${@//KIND/$kind}" &
-    pids+=($!) core=$(( (core + 1) % $(nproc) ))
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
-}
-regenerate "$WORK/prompts.jsonl" "$WORK/regenerated.jsonl"
-for steps in $HEAD_STAGES; do
-  # train.py stops at the data's end, so each stage gets the passes its steps need and one
-  # spare (records regeneration could not use); a pass's order does not depend on how many
-  # follow it.
-  train_heads --workdir="$WORK/head_KIND" --config.data.regenerated="$WORK/regenerated.jsonl" \
-      --config.train.epochs=$(( steps * HEAD_BATCH / PROMPTS + 1 )) \
-      --config.train.num_steps="$steps"
-done
-if [ ! -f "$WORK/prompts_final.jsonl" ]; then
-  # Seed 3: neither the first prompts' (0) nor head_eval's fresh snippets' (2).
-  $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" --out "$WORK/snippets3.jsonl" \
-      --count "$FRESH_SNIPPETS" --seed 3
-  $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" --out "$WORK/functions.jsonl" \
-      --count "$FUNCTIONS" --kind function --prompt-tokens 96
-  cat "$WORK/snippets3.jsonl" "$WORK/functions.jsonl" > "$WORK/prompts_final.jsonl"
-fi
-regenerate "$WORK/prompts_final.jsonl" "$WORK/regenerated_final.jsonl"
-final_records=$(( FRESH_SNIPPETS + FUNCTIONS ))
-train_heads --workdir="$WORK/head_final_KIND" --config.train.init_head="$WORK/head_KIND" \
-    --config.data.regenerated="$WORK/regenerated_final.jsonl" --config.train.lr="$FINAL_LR" \
-    --config.train.epochs=$(( FINAL_STEPS * HEAD_BATCH / final_records + 1 )) \
-    --config.train.num_steps="$FINAL_STEPS"
+$PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --target "$OUT/target" \
+    --prompts "$WORK/prompts.jsonl" --out "$WORK/regenerated.jsonl" --max-new-tokens 256 \
+    --batch-size 64
+# Side by side, one core each: same data, same steps; only the in-block mask differs.
+pids=() core=0
 for kind in jetflow dflash; do
-  rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_final_$kind/hf_head" "$OUT/head_$kind"
+  taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
+      --workdir="$WORK/head_$kind" --config.data.regenerated="$WORK/regenerated.jsonl" \
+      --config.train.epochs="$HEAD_EPOCHS" --config.train.num_steps="$HEAD_STEPS" &
+  pids+=($!) core=$(( (core + 1) % $(nproc) ))
+done
+for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
+for kind in jetflow dflash; do
+  rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
 done
 # The heads' bar: top-1 agreement with the target on continuations of held-out files.
 $PY -m jetflow_jax.embedded.head_eval --head "$OUT/head_jetflow" --head "$OUT/head_dflash" \

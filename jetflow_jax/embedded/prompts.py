@@ -80,7 +80,7 @@ def main():
   parser.add_argument("--prompt-tokens", type=int, default=48,
                       help="a snippet's length; a function prompt's longest")
   parser.add_argument("--kind", choices=("snippet", "function"), default="snippet")
-  # Seed 0 drew the shipped heads' first snippets; head_eval's fresh snippets use seed 2.
+  # Seeds 4 and 5 drew the shipped heads' prompts; head_eval's fresh snippets use seed 2.
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   from transformers import AutoTokenizer
@@ -88,7 +88,7 @@ def main():
   draw = snippet_prompts if args.kind == "snippet" else function_prompts
   prompts = draw(tokenizer, args.count, args.prompt_tokens, seed=args.seed)
   # Ids name kind and seed so that files drawn differently can be concatenated; seed 0 keeps
-  # the ids (snippet0, snippet1, ...) of the data the shipped heads' first stages read.
+  # the bare ids (snippet0, snippet1, ...) that earlier data used.
   prefix = args.kind if args.seed == 0 else f"{args.kind}{args.seed}_"
   with open(args.out, "w") as f:
     for i, ids in enumerate(prompts):
