@@ -16,8 +16,6 @@ OUT=jetflow_jax/embedded/checkpoints
 TOKENS=${TOKENS:-10e6}
 ROLLOUT_TOKENS=${ROLLOUT_TOKENS:-1.6384e6}  # 400 steps of 8 x 512 tokens per stage
 THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
-HEAD_STEPS=${HEAD_STEPS:-2200}
-HEAD_EPOCHS=${HEAD_EPOCHS:-4}  # 2,200 steps x 16 rows cover the 20,000 continuations 1.8 times
 
 mkdir -p "$WORK"
 pretrain() {  # --bf16 takes effect only where the CPU has native bfloat16 (AMX, AVX512-BF16).
@@ -59,8 +57,7 @@ $PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --targe
 pids=() core=0
 for kind in jetflow dflash; do
   taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
-      --workdir="$WORK/head_$kind" --config.data.regenerated="$WORK/regenerated.jsonl" \
-      --config.train.epochs="$HEAD_EPOCHS" --config.train.num_steps="$HEAD_STEPS" &
+      --workdir="$WORK/head_$kind" --config.data.regenerated="$WORK/regenerated.jsonl" &
   pids+=($!) core=$(( (core + 1) % $(nproc) ))
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
