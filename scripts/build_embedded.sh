@@ -7,15 +7,22 @@
 #   4. the final target's own continuations    (jetflow_jax.train.regenerate)
 #   5. the two heads, side by side             (train.py, configs/embedded.py)
 #   6. the heads' held-out agreement           (jetflow_jax.embedded.head_eval)
-# Finished checkpoints land in jetflow_jax/embedded/checkpoints/ (bfloat16).
+# Finished checkpoints land in $OUT (bfloat16): by default the package's, where they ship.
+# A smoke run of the whole pipeline in minutes (tiny sizes, nothing shipped overwritten):
+#   WORK=/tmp/e OUT=/tmp/e/out TOKENS=2e4 ROLLOUT_TOKENS=8192 SNIPPETS="40 100" \
+#   FUNCTIONS="20 40" HEAD_ARGS=--config.train.num_steps=4 scripts/build_embedded.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORK=${WORK:-runs/embedded}
-OUT=jetflow_jax/embedded/checkpoints
+OUT=${OUT:-jetflow_jax/embedded/checkpoints}
 TOKENS=${TOKENS:-10e6}
 ROLLOUT_TOKENS=${ROLLOUT_TOKENS:-1.6384e6}  # 400 steps of 8 x 512 tokens per stage
 THREADS=${THREADS:-2}  # one is faster when something else shares the 2 cores
+# Prompts per seed (seeds 4 and 5): snippets of training files and documented functions.
+read -r -a SNIPPETS <<< "${SNIPPETS:-4000 10000}"
+read -r -a FUNCTIONS <<< "${FUNCTIONS:-2000 4000}"
+HEAD_ARGS=${HEAD_ARGS:-}  # extra train.py flags for both heads; the schedule is the config's
 
 mkdir -p "$WORK"
 pretrain() {  # --bf16 takes effect only where the CPU has native bfloat16 (AMX, AVX512-BF16).
@@ -39,13 +46,15 @@ prompts() {
   $PY -m jetflow_jax.embedded.prompts --tokenizer "$OUT/target" "$@"
 }
 if [ ! -f "$WORK/prompts.jsonl" ]; then
-  # Two seeds, each with snippets of training files and, a third as many again, documented
-  # functions' signature and docstring (the shape of a HumanEval prompt). Seeds 4 and 5 are
-  # neither head_eval's (2) nor any earlier heads' (0, 3); the order is the one trained on.
-  prompts --out "$WORK/snippets4.jsonl" --count 4000 --seed 4
-  prompts --out "$WORK/functions4.jsonl" --count 2000 --kind function --prompt-tokens 96 --seed 4
-  prompts --out "$WORK/snippets5.jsonl" --count 10000 --seed 5
-  prompts --out "$WORK/functions5.jsonl" --count 4000 --kind function --prompt-tokens 96 --seed 5
+  # Each seed draws snippets of training files and documented functions' signature and
+  # docstring (the shape of a HumanEval prompt). Seeds 4 and 5 are neither head_eval's (2)
+  # nor any earlier heads' (0, 3); the order is the one trained on.
+  for i in 0 1; do
+    seed=$(( i + 4 ))
+    prompts --out "$WORK/snippets$seed.jsonl" --count "${SNIPPETS[$i]}" --seed $seed
+    prompts --out "$WORK/functions$seed.jsonl" --count "${FUNCTIONS[$i]}" --kind function \
+        --prompt-tokens 96 --seed $seed
+  done
   cat "$WORK"/{snippets4,functions4,snippets5,functions5}.jsonl > "$WORK/prompts.jsonl.tmp"
   mv "$WORK/prompts.jsonl.tmp" "$WORK/prompts.jsonl"
 fi
@@ -56,8 +65,10 @@ $PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --targe
 # Side by side, one core each: same data, same steps; only the in-block mask differs.
 pids=() core=0
 for kind in jetflow dflash; do
+  # shellcheck disable=SC2086  # HEAD_ARGS is a list of flags
   taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
-      --workdir="$WORK/head_$kind" --config.data.regenerated="$WORK/regenerated.jsonl" &
+      --config.target.checkpoint="$OUT/target" --workdir="$WORK/head_$kind" \
+      --config.data.regenerated="$WORK/regenerated.jsonl" $HEAD_ARGS &
   pids+=($!) core=$(( (core + 1) % $(nproc) ))
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed
@@ -65,5 +76,5 @@ for kind in jetflow dflash; do
   rm -rf "$OUT/head_$kind" && cp -r "$WORK/head_$kind/hf_head" "$OUT/head_$kind"
 done
 # The heads' bar: top-1 agreement with the target on continuations of held-out files.
-$PY -m jetflow_jax.embedded.head_eval --head "$OUT/head_jetflow" --head "$OUT/head_dflash" \
-    --save-quality
+$PY -m jetflow_jax.embedded.head_eval --target "$OUT/target" --head "$OUT/head_jetflow" \
+    --head "$OUT/head_dflash" --save-quality
