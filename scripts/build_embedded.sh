@@ -8,7 +8,7 @@
 #   5. the two heads, side by side             (train.py, configs/embedded.py)
 #   6. the heads' held-out agreement           (jetflow_jax.embedded.head_eval)
 # Finished checkpoints land in $OUT (bfloat16): by default the package's, where they ship.
-# A smoke run of the whole pipeline in minutes (tiny sizes, nothing shipped overwritten):
+# A smoke run of the whole pipeline in half an hour (tiny sizes; nothing shipped is touched):
 #   WORK=/tmp/e OUT=/tmp/e/out TOKENS=2e4 ROLLOUT_TOKENS=8192 SNIPPETS="40 100" \
 #   FUNCTIONS="20 40" HEAD_ARGS=--config.train.num_steps=4 scripts/build_embedded.sh
 set -euo pipefail
