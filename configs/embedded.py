@@ -6,8 +6,9 @@
 Both heads read the same regenerated data (`data.regenerated`): the target's greedy
 continuations of 20,000 training-file prompts (`python -m jetflow_jax.embedded.prompts`,
 seeds 4 and 5). scripts/build_embedded.sh runs the whole pipeline; it trains the shipped
-heads with this config as it is, plus `--config.data.prompts=` (it regenerates beforehand).
-Same size, data and steps: only the in-block mask differs.
+heads with this config's schedule as it is, and names the target and the continuations it
+regenerated beforehand (so `--config.data.prompts=`). Same size, data and steps: only the
+in-block mask differs.
 """
 
 from jetflow_jax import embedded
