@@ -7,9 +7,15 @@
   python train.py --config=configs/qwen3_8b.py --memory_report --config.mesh.fsdp=8 \
       --config.train.batch_size=8 --config.train.num_anchors=512 [--json]
 
-Re-running the same command resumes from the workdir's latest checkpoint. `--memory_report`
-compiles the train step on abstract shapes (no weights; fake CPU devices when the mesh needs
-more than the host has) and prints XLA's per-device memory analysis.
+  # one process per host: add to each
+  python train.py ... --coordinator_address=HOST:PORT --num_processes=N --process_id=I
+
+Re-running the same command resumes from the workdir's latest checkpoint; SIGTERM saves one
+after the current step and exits 0. On SLURM, Open MPI or a TPU pod the process flags can be
+left out: JAX reads them from the environment. `--memory_report` compiles the train step on
+abstract shapes (no weights; fake CPU devices when the mesh needs more than the host has) and
+prints XLA's per-device memory analysis; with `--num_processes=N --devices_per_process=D` it
+sizes a job of N hosts of D devices each, without the hosts.
 """
 
 import json
@@ -17,8 +23,9 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jetflow_jax import cli
+from jetflow_jax import cli, distributed
 
+distributed.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics, data")
@@ -28,6 +35,9 @@ _MEMORY_REPORT = flags.DEFINE_bool("memory_report", False,
                                    "compile the train step without weights, print its per-device "
                                    "memory and exit")
 _JSON = flags.DEFINE_bool("json", False, "with --memory_report: print one JSON object")
+_DEVICES_PER_PROCESS = flags.DEFINE_integer(
+    "devices_per_process", None, "with --memory_report and --num_processes: devices of each "
+    "process of the job to size")
 
 
 def main(argv):
@@ -38,9 +48,12 @@ def main(argv):
   def run():
     if _MEMORY_REPORT.value:
       from jetflow_jax.train import memory_report
-      report = memory_report.memory_report(config)
+      report = memory_report.memory_report(config, **memory_report.job_layout(
+          flags.FLAGS.num_processes, _DEVICES_PER_PROCESS.value,
+          flags.FLAGS.coordinator_address, flags.FLAGS.process_id))
       print(json.dumps(report) if _JSON.value else memory_report.format_report(report))
       return
+    distributed.initialize_from_flags()  # before anything touches a device
     from jetflow_jax.train import setup
     if _VALIDATE_ONLY.value:
       print(setup.validate(config))
@@ -52,6 +65,10 @@ def main(argv):
     if "past_total_steps" in result:
       print(f"nothing to do: {_WORKDIR.value} is already at step {result['step']}, past the "
             f"{result['past_total_steps']} steps this config asks for")
+      return
+    if result.get("preempted"):
+      print(f"preempted: saved step {result['step']}; rerun the same command to resume",
+            flush=True)
       return
     print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}, "
           f"depth-1 agreement {result.get('agreement_k', [float('nan')])[0]:.3f}")

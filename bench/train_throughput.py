@@ -39,8 +39,13 @@ def parse_variant(text: str) -> tuple[str, str, list[str]]:
   return name, os.path.abspath(checkout), [f for f in flags.split(",") if f]
 
 
-def real_tokens(regenerated_path: str) -> int:
-  with open(regenerated_path) as f:
+def real_tokens(workdir: str) -> int:
+  """Tokens regenerated into a workdir: its token store, or the JSONL of older checkouts."""
+  jsonl = os.path.join(workdir, "regenerated.jsonl")
+  if not os.path.isfile(jsonl):
+    from jetflow_jax.train.store import TokenStore
+    return TokenStore(os.path.join(workdir, "store")).num_tokens
+  with open(jsonl) as f:
     return sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in map(json.loads, f))
 
 
@@ -54,7 +59,7 @@ def run_once(checkout: str, flags: list[str], epochs: int, workdir: str, python:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   seconds = statistics.median(r["seconds_per_step"] for r in rows[1:])
-  tokens = real_tokens(os.path.join(workdir, "regenerated.jsonl")) * epochs
+  tokens = real_tokens(workdir) * epochs
   steps = rows[-1]["step"]
   return {"steps": steps, "tokens": tokens, "median_seconds_per_step": seconds,
           "tokens_per_s": tokens / steps / seconds}

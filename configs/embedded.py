@@ -30,7 +30,7 @@ def get_config(arg: str | None = "jetflow"):
   c.head.causal = arg == "jetflow"
   c.head.dtype = "float32"
   c.data.prompts = "runs/embedded/prompts.jsonl"
-  c.data.regenerated = "runs/embedded/regenerated.jsonl"
+  c.data.regenerated = "runs/embedded/regenerated"  # a token store
   c.data.seq_len = 304
   c.data.max_new_tokens = 256
   c.data.regenerate_batch_size = 64

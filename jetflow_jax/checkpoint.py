@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
@@ -26,22 +27,30 @@ def is_converted(path: str) -> bool:
   return os.path.isfile(os.path.join(path, CONVERTED_MARKER))
 
 
-def load_qwen3(path: str, dtype=jnp.float32) -> tuple[Qwen3Config, dict]:
+def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Config, dict]:
   """Loads a Qwen3 / Qwen3-MoE checkpoint as (config, frozen params pytree).
 
   `path` is either a HF directory (`config.json` + `model.safetensors` or
   sharded files with `model.safetensors.index.json`) or a directory written by
   `python -m jetflow_jax.convert`, or a Hugging Face repo id (`Qwen/Qwen3-8B[@rev]`,
   resolved through the hub cache). Params are cast to `dtype`.
+
+  `shardings`, a function from the abstract params to a pytree of shardings, places every
+  leaf on its devices as it loads: each process reads only the slices its devices hold.
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   config = load_config(path)
   abstract = abstract_params(config, dtype)
+  placement = None if shardings is None else shardings(abstract)
   if is_converted(path):
+    if placement is not None:
+      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              abstract, placement)
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(os.path.join(path, PARAMS_SUBDIR), abstract)
   else:
-    params = hf_params.load_tensors(path, list(hf_params.qwen3_tensors(config)), abstract, dtype)
+    params = hf_params.load_tensors(path, list(hf_params.qwen3_tensors(config)), abstract, dtype,
+                                    placement)
   return config, params
 
 

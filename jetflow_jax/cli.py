@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Callable
 
 import jax.numpy as jnp
@@ -24,12 +25,27 @@ def parse_dtype(name: str):
 
 
 def run(main: Callable[[], None]) -> None:
-  """Runs `main`, printing library errors as one line instead of a traceback."""
+  """Runs `main`, printing library errors as one line instead of a traceback.
+
+  In a multi-process job a failing process exits at once rather than waiting for its peers
+  at shutdown; they see it gone within the heartbeat timeout and abort too.
+  """
+  from jetflow_jax import distributed
   try:
     main()
   except JetflowError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    distributed.exit_now(2)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
-    sys.exit(130)
+    distributed.exit_now(130)
+  except Exception as e:
+    if not distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    import jax
+    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped on "
+          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. In a multi-process "
+          "job this usually means another process died; restart every process with the same "
+          "command to resume from the last checkpoint", file=sys.stderr)
+    distributed.exit_now(1)

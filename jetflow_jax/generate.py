@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
@@ -175,34 +176,56 @@ def pad_prompts(prompts: Sequence[Sequence[int]], cache_size: int) -> tuple[np.n
   return padded, np.array([len(p) for p in prompts], np.int32)
 
 
+def _placed(tree, sharding):
+  """Abstract values of `tree` carrying `sharding` (a pytree like `tree`, or one for all)."""
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        sharding)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(config: Qwen3Config, dtype, prompt_shape: tuple[int, int], sampler: Sampler,
-              cache_size: int, stop_tokens: tuple[int, ...]):
-  """Ahead-of-time compiled (prefill, decode) for one shape; kept so repeated calls are free."""
+              cache_size: int, stop_tokens: tuple[int, ...], mesh: Mesh | None = None):
+  """Ahead-of-time compiled (prefill, decode) for one shape; kept so repeated calls are free.
+
+  With `mesh`, rows are split over all its devices and the params replicated on each
+  (data-parallel copies of the target).
+  """
   params = abstract_params(config, dtype)
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  prefill_lowered = prefill.lower(
-      params, config, jax.ShapeDtypeStruct(prompt_shape, jnp.int32),
-      jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32), int_scalar,
-      jax.eval_shape(jax.random.key, 0), sampler=sampler, cache_size=cache_size,
-      stop_tokens=stop_tokens)
-  decode_lowered = decode.lower(params, config, prefill_lowered.out_info, int_scalar,
-                                sampler=sampler, stop_tokens=stop_tokens)
-  return prefill_lowered.compile(), decode_lowered.compile()
+  prompt_bt = jax.ShapeDtypeStruct(prompt_shape, jnp.int32)
+  lengths_b = jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32)
+  rng = jax.eval_shape(jax.random.key, 0)
+  if mesh is not None:
+    everywhere, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(mesh.axis_names))
+    params, int_scalar, rng = _placed((params, int_scalar, rng), everywhere)
+    prompt_bt, lengths_b = _placed((prompt_bt, lengths_b), rows)
+  prefill_compiled = prefill.lower(params, config, prompt_bt, lengths_b, int_scalar, rng,
+                                   sampler=sampler, cache_size=cache_size,
+                                   stop_tokens=stop_tokens).compile()
+  state = prefill_compiled.out_info
+  if mesh is not None:
+    state = _placed(state, prefill_compiled.output_shardings)
+  decode_lowered = decode.lower(params, config, state, int_scalar, sampler=sampler,
+                                stop_tokens=stop_tokens)
+  return prefill_compiled, decode_lowered.compile()
 
 
 def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, *, sampler: Sampler = Greedy(), seed: int = 0,
              cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
-             stream_every: int = 8) -> Generation:
+             stream_every: int = 8, mesh: Mesh | None = None) -> Generation:
   """Decodes a batch of prompts (lists of token ids of any lengths).
 
   `cache_size` defaults to a power of two that fits the longest prompt plus
   `max_new_tokens`. `stop_tokens` defaults to the config's EOS ids. With
   `on_tokens`, the host regains control every `stream_every` steps and is given
   the tokens generated so far (for streaming); otherwise one jitted loop runs to
-  the end.
+  the end. With `mesh`, the rows are split over its devices (data parallel; the number
+  of prompts must be a multiple of the mesh's size) and `target_params` are replicated
+  there.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -210,9 +233,12 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
     cache_size = default_cache_size(config, prompts, max_new_tokens)
   stop = stop_tokens_for(config, stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
+  if mesh is not None and len(prompts) % mesh.size:
+    raise InputError(f"{len(prompts)} prompts do not split over the mesh's {mesh.size} devices")
   start = time.perf_counter()
   dtype = params_dtype(target_params)
-  prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop)
+  prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop,
+                                    mesh)
   compile_s = time.perf_counter() - start
   rng = jax.random.key(seed)
 

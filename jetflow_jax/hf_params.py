@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import safetensors.flax
 from safetensors import SafetensorError, safe_open
 
@@ -51,6 +52,25 @@ class Tensor:
       our_shape = our_shape[1:]
     return hf_array.T.reshape(our_shape) if self.in_dims else hf_array
 
+  def read(self, files: "SafetensorsDir", index: tuple[slice, ...], our_shape) -> np.ndarray:
+    """The block `index` of our array (without the expert axis), reading only what it covers.
+
+    Our array is the HF `[out, in]` array transposed and reshaped: a block of ours is a
+    block of HF rows and columns whose flattened ranges are contiguous when only leading
+    axes are split (how every sharding here splits), so just those bytes are read.
+    """
+    if self.expert is not None:
+      our_shape = our_shape[1:]
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, our_shape))
+    if not self.in_dims:
+      return files.get_slice(self.hf_key, index)
+    in_flat = _flat_positions(our_shape[:self.in_dims], index[:self.in_dims])
+    out_flat = _flat_positions(our_shape[self.in_dims:], index[self.in_dims:])
+    block = files.get_slice(self.hf_key, (slice(out_flat[0], out_flat[-1] + 1),
+                                          slice(in_flat[0], in_flat[-1] + 1)))
+    block = block[np.ix_(out_flat - out_flat[0], in_flat - in_flat[0])]
+    return block.T.reshape([s.stop - s.start for s in index])
+
   def to_hf(self, our_array):
     if self.expert is not None:
       our_array = our_array[self.expert]
@@ -58,6 +78,12 @@ class Tensor:
       return our_array
     shape = self.hf_shape(our_array.shape)
     return our_array.reshape(shape[1], shape[0]).T
+
+
+def _flat_positions(dims: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """Row-major flat positions of the block `index` of an array of shape `dims`, in order."""
+  ranges = np.ix_(*[np.arange(s.start, s.stop) for s in index])
+  return np.ravel_multi_index(ranges, dims).reshape(-1) if dims else np.zeros(1, np.int64)
 
 
 def decoder_layer_tensors(config: Qwen3Config, layer: int, hf_prefix: str,
@@ -116,20 +142,20 @@ class SafetensorsDir:
       raise CheckpointError(f"{directory}: safetensors file(s) listed in the index are missing: "
                             f"{', '.join(missing_files)}")
     self.weight_map = weight_map
-    self._handles: dict[str, Any] = {}
+    self._handles: dict[tuple[str, str], Any] = {}
 
-  def _open(self, name: str):
+  def _open(self, name: str, framework: str = "flax"):
     path = os.path.join(self.directory, name)
     try:
-      return safe_open(path, framework="flax")
+      return safe_open(path, framework=framework)
     except (SafetensorError, OSError) as e:
       raise CheckpointError(f"{path} is truncated or not a safetensors file ({e})") from None
 
-  def _handle(self, key: str):
+  def _handle(self, key: str, framework: str = "flax"):
     name = self.weight_map[key]
-    if name not in self._handles:
-      self._handles[name] = self._open(name)
-    return self._handles[name]
+    if (name, framework) not in self._handles:
+      self._handles[name, framework] = self._open(name, framework)
+    return self._handles[name, framework]
 
   def __contains__(self, key: str) -> bool:
     return key in self.weight_map
@@ -140,6 +166,13 @@ class SafetensorsDir:
   def get(self, key: str) -> jax.Array:
     try:
       return self._handle(key).get_tensor(key)
+    except SafetensorError as e:
+      raise CheckpointError(f"{self.weight_map[key]}: cannot read {key} ({e})") from None
+
+  def get_slice(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
+    """A block of one tensor as NumPy, reading only its bytes."""
+    try:
+      return self._handle(key, "numpy").get_slice(key)[index]
     except SafetensorError as e:
       raise CheckpointError(f"{self.weight_map[key]}: cannot read {key} ({e})") from None
 
@@ -176,10 +209,18 @@ def check_shapes(files: SafetensorsDir, tensors: Iterable[Tensor], abstract_para
     raise CheckpointError(f"{what} does not match its config: " + "\n".join(problems))
 
 
-def load_tensors(directory: str, tensors: list[Tensor], abstract_params, dtype) -> dict:
-  """Reads `tensors` from the safetensors files of `directory` into a params pytree."""
+def load_tensors(directory: str, tensors: list[Tensor], abstract_params, dtype,
+                 shardings=None) -> dict:
+  """Reads `tensors` from the safetensors files of `directory` into a params pytree.
+
+  With `shardings` (a pytree of `jax.sharding.Sharding` like the params), each leaf is
+  built on its devices from the blocks they hold, and only those blocks are read: a process
+  of a multi-host job reads the slices of its own devices and nothing else.
+  """
   files = SafetensorsDir(directory)
   check_shapes(files, tensors, abstract_params, directory)
+  if shardings is not None:
+    return _load_sharded(files, tensors, abstract_params, dtype, shardings)
   params: dict = {}
   experts: dict[Path, list] = {}
   for t in tensors:
@@ -191,6 +232,31 @@ def load_tensors(directory: str, tensors: list[Tensor], abstract_params, dtype) 
       experts.setdefault(t.path, []).append(value)
       if len(experts[t.path]) == shape[0]:  # last expert of this layer: stack and free the parts
         _set_leaf(params, t.path, jnp.stack(experts.pop(t.path)))
+  return params
+
+
+def _load_sharded(files: SafetensorsDir, tensors: list[Tensor], abstract_params, dtype,
+                  shardings) -> dict:
+  by_path: dict[Path, list[Tensor]] = {}
+  for t in tensors:
+    by_path.setdefault(t.path, []).append(t)
+  params: dict = {}
+  for path, group in by_path.items():
+    shape = _leaf(abstract_params, path).shape
+    blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block (replicas) read it once
+
+    def block(index, group=group, shape=shape, blocks=blocks):
+      key = tuple(s.indices(n) for s, n in zip(index, shape))
+      if key not in blocks:
+        if group[0].expert is None:
+          blocks[key] = group[0].read(files, index, shape).astype(dtype)
+        else:  # stacked experts: read only this block's experts
+          experts = range(shape[0])[index[0]]
+          blocks[key] = np.stack([group[e].read(files, index[1:], shape)
+                                  for e in experts]).astype(dtype)
+      return blocks[key]
+
+    _set_leaf(params, path, jax.make_array_from_callback(shape, _leaf(shardings, path), block))
   return params
 
 

@@ -58,17 +58,18 @@ if [ ! -f "$WORK/prompts.jsonl" ]; then
   cat "$WORK"/{snippets4,functions4,snippets5,functions5}.jsonl > "$WORK/prompts.jsonl.tmp"
   mv "$WORK/prompts.jsonl.tmp" "$WORK/prompts.jsonl"
 fi
-# Resumes by record id; transformers' generate decodes this target twice as fast as our loop.
-$PY -m jetflow_jax.train.regenerate --backend torch --threads "$THREADS" --target "$OUT/target" \
-    --prompts "$WORK/prompts.jsonl" --out "$WORK/regenerated.jsonl" --max-new-tokens 256 \
-    --batch-size 64
+# A token store, resumed by record id; transformers' generate decodes this target twice as fast
+# as our loop.
+$PY -m jetflow_jax.train.regenerate --backend=torch --threads="$THREADS" --target="$OUT/target" \
+    --prompts="$WORK/prompts.jsonl" --out="$WORK/regenerated" --max_new_tokens=256 \
+    --batch_size=64
 # Side by side, one core each: same data, same steps; only the in-block mask differs.
 pids=() core=0
 for kind in jetflow dflash; do
   # shellcheck disable=SC2086  # HEAD_ARGS is a list of flags
   taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
       --config.target.checkpoint="$OUT/target" --workdir="$WORK/head_$kind" \
-      --config.data.regenerated="$WORK/regenerated.jsonl" $HEAD_ARGS &
+      --config.data.regenerated="$WORK/regenerated" $HEAD_ARGS &
   pids+=($!) core=$(( (core + 1) % $(nproc) ))
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed

@@ -1,4 +1,5 @@
-"""Training data: prompt ids from every record kind, rows and masks, resumable regeneration."""
+"""Training data: prompt ids from every record kind, rows and masks, store-backed batches,
+resumable regeneration into the token store."""
 
 import json
 
@@ -9,9 +10,20 @@ import jetflow_jax
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
 from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
-from jetflow_jax.train.data import load_regenerated, make_dataset, prompt_ids, read_jsonl, to_row
-from jetflow_jax.train.regenerate import jax_generator, regenerate, torch_generator
 from jetflow_jax.sampling import Greedy
+from jetflow_jax.train.data import StoreBatches, fill_row, prompt_ids, read_jsonl, to_row
+from jetflow_jax.train.packing import make_plan
+from jetflow_jax.train.regenerate import jax_generator, regenerate, torch_generator
+from jetflow_jax.train.store import ShardWriter, TokenStore
+
+
+def write_store(directory, records):
+  """A one-shard store of `{"prompt_ids", "response_ids"}` records, in order."""
+  writer = ShardWriter(str(directory), 0, 1)
+  writer.append((str(i), i, r["prompt_ids"], r["response_ids"]) for i, r in enumerate(records))
+  writer.finish()
+  writer.close()
+  return TokenStore(str(directory))
 
 
 @pytest.fixture(scope="module")
@@ -43,23 +55,34 @@ def test_rows_are_padded_cut_and_masked_on_the_response():
   assert row["tokens"].tolist() == [1, 2, 3, 4, 5] and row["loss_mask"].sum() == 2
 
 
-def test_dataset_batches_and_reshuffles_each_epoch():
+def batches_of(tmp_path, records, seq_len, batch_size, epochs, pack):
+  store = write_store(tmp_path / "store", records)
+  plan = make_plan(store.lengths, store.prompt_lengths, seq_len=seq_len, epochs=epochs, seed=0,
+                   pack=pack)
+  batches = StoreBatches(store, plan, seq_len, batch_size, pack=pack)
+  return [batches[step] for step in range(len(batches))]
+
+
+def test_dataset_batches_and_reshuffles_each_epoch(tmp_path):
   records = [{"prompt_ids": [i], "response_ids": [i, i]} for i in range(6)]
-  iterator, num_batches = make_dataset(records, 4, 3, seed=0, epochs=2, pack=False)
-  batches = list(iterator)
-  assert len(batches) == num_batches == 4 and batches[0]["tokens"].shape == (3, 4)
+  batches = batches_of(tmp_path, records, 4, 3, epochs=2, pack=False)
+  assert len(batches) == 4 and batches[0]["tokens"].shape == (3, 4)
+  assert set(batches[0]) == {"tokens", "loss_mask"}
   first = np.concatenate([b["tokens"][:, 0] for b in batches[:2]])
   second = np.concatenate([b["tokens"][:, 0] for b in batches[2:]])
   assert sorted(first) == sorted(second) == list(range(6)) and list(first) != list(second)
+  for batch in batches:
+    for tokens, loss_mask in zip(batch["tokens"], batch["loss_mask"]):
+      np.testing.assert_array_equal(tokens, to_row(records[tokens[0]], 4)["tokens"])
+      np.testing.assert_array_equal(loss_mask, to_row(records[tokens[0]], 4)["loss_mask"])
 
 
-def test_packed_rows_hold_whole_samples_once_per_epoch():
+def test_packed_rows_hold_whole_samples_once_per_epoch(tmp_path):
   rng = np.random.default_rng(0)
   records = [{"prompt_ids": [100 + i] * 2, "response_ids": [i] * int(rng.integers(1, 12))}
              for i in range(30)]
-  iterator, num_batches = make_dataset(records, 16, 2, seed=0, epochs=2, pack=True)
-  batches = list(iterator)
-  assert len(batches) == num_batches and num_batches < 30  # fewer rows than samples
+  batches = batches_of(tmp_path, records, 16, 2, epochs=2, pack=True)
+  assert len(batches) < 30  # fewer rows than samples
   seen = []
   for batch in batches:
     assert set(batch) == {"tokens", "loss_mask", "segment_ids"}
@@ -74,9 +97,16 @@ def test_packed_rows_hold_whole_samples_once_per_epoch():
         np.testing.assert_array_equal(sample, expected["tokens"])
         np.testing.assert_array_equal(loss_mask[segment_ids == segment], expected["loss_mask"])
         seen.append(i)
-  # Each sample once per epoch, bar those of the dropped last row (at most 16 // 3 of >= 3 tokens).
+  # Each sample once per epoch, bar those of the dropped last partial batch (at most one row).
   counts = np.bincount(seen, minlength=30)
   assert counts.max() <= 2 and counts.sum() >= 2 * 30 - 16 // 3
+
+
+def test_fill_row_cuts_and_numbers_samples():
+  row = fill_row([(np.array([1, 2, 3]), 1), (np.array([4, 5, 6, 7]), 2)], 6)
+  assert row["tokens"].tolist() == [1, 2, 3, 4, 5, 6]
+  assert row["loss_mask"].tolist() == [False, True, True, False, False, True]
+  assert row["segment_ids"].tolist() == [1, 1, 1, 2, 2, 2]
 
 
 def test_bad_data_files_are_named(tmp_path):
@@ -86,10 +116,9 @@ def test_bad_data_files_are_named(tmp_path):
   bad.write_text('{"prompt": "a"}\n{oops\n')
   with pytest.raises(InputError, match="bad.jsonl:2: not valid JSON"):
     list(read_jsonl(str(bad)))
-  short = tmp_path / "short.jsonl"
-  short.write_text(json.dumps({"id": 0, "prompt_ids": [1] * 50, "response_ids": [2]}) + "\n")
+  store = write_store(tmp_path / "short", [{"prompt_ids": [1] * 50, "response_ids": [2]}])
   with pytest.raises(InputError, match="no record has a response within seq_len=16"):
-    load_regenerated(str(short), 16)
+    make_plan(store.lengths, store.prompt_lengths, seq_len=16, epochs=1, seed=0, pack=True)
 
 
 def test_regeneration_resumes_and_matches_generate(make_checkpoint, tmp_path):
@@ -98,18 +127,25 @@ def test_regeneration_resumes_and_matches_generate(make_checkpoint, tmp_path):
   rng = np.random.default_rng(0)
   records = [{"id": f"p{i}", "prompt_ids": rng.integers(0, 90, int(rng.integers(3, 9))).tolist()}
              for i in range(7)]
-  out = tmp_path / "regenerated.jsonl"
-  generate_batch = jax_generator(params, config, max_new_tokens=6, sampler=Greedy())
+  out = tmp_path / "store"
+  generator = lambda: jax_generator(params, config, max_new_tokens=6, sampler=Greedy())
   kwargs = dict(batch_size=3, max_prompt_len=64)
-  assert regenerate(records[:4], str(out), generate_batch, **kwargs) == 4
-  with open(out, "a") as f:
-    f.write('{"id": "p5", "prompt_ids": [1')  # a write torn by a kill
-  assert regenerate(records, str(out), generate_batch, **kwargs) == 3
-  lines = [json.loads(line) for line in open(out)]
-  assert sorted(line["id"] for line in lines) == [f"p{i}" for i in range(7)]
-  for line in lines:
-    want = generate(params, config, [line["prompt_ids"]], 6).tokens[0]
-    assert line["response_ids"] == want
+  assert regenerate(records[:4], str(out), generator, **kwargs) == 4
+  shard = out / "shard-00000-of-00001"
+  with open(shard / "tokens.i32", "ab") as f:  # a batch torn by a kill: tokens written,
+    f.write(np.arange(9, dtype=np.int32).tobytes())
+  with open(shard / "ids.txt", "a") as f:  # its ids half written, its index not at all
+    f.write("p5\np")
+  assert regenerate(records, str(out), generator, **kwargs) == 3
+  assert regenerate(records, str(out), lambda: pytest.fail("nothing left to load for"),
+                    **kwargs) == 0
+  store = TokenStore(str(out))
+  assert store.num_records == 7
+  for i, record in enumerate(records):  # source order, whatever order they were written in
+    tokens = store.tokens(i).tolist()
+    prompt = record["prompt_ids"]
+    assert tokens[:store.prompt_lengths[i]] == prompt
+    assert tokens[len(prompt):] == generate(params, config, [prompt], 6).tokens[0]
 
 
 def test_torch_regeneration_decodes_like_our_loop(make_checkpoint):

@@ -18,6 +18,7 @@ from conftest import CLI_ENV, ROOT, run_cli
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import load_head, save_hf_head
 from jetflow_jax.train import setup
+from jetflow_jax.train.store import ShardWriter
 
 # A small-vocabulary random target and pre-tokenized prompts: fast enough to run three times.
 FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hidden_layers=4",
@@ -163,3 +164,22 @@ def test_init_head_starts_from_an_exported_head(tmp_path):
   mismatch = run_cli(*train_args(tmp_path / "mismatch", f"--config.train.init_head={other}"))
   assert mismatch.returncode == 2 and "Traceback" not in mismatch.stderr
   assert "train.init_head" in mismatch.stderr and "different head" in mismatch.stderr
+
+
+def test_bad_data_is_named_and_nothing_is_written(tmp_path):
+  def refused(workdir, data, problem):
+    done = run_cli(*train_args(workdir, *FAST, "--config.data.prompts=",
+                               f"--config.data.regenerated={data}"), timeout=300)
+    assert done.returncode == 2 and problem in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not os.path.exists(workdir)
+
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"id": 0, "prompt_ids": [1, 2], "response_ids": [3]}\n{"prompt_ids": [1]}\n')
+  refused(tmp_path / "w1", bad, "bad.jsonl:2: not a regenerated record")
+  store = tmp_path / "store"
+  writer = ShardWriter(str(store), 0, 2)
+  writer.append([("a", 0, [1, 2], [3, 4, 5])])
+  writer.finish()
+  writer.close()
+  refused(tmp_path / "w2", store, "shard shard-00001-of-00002 is missing")
+  refused(tmp_path / "w3", tmp_path / "nowhere", "data.regenerated not found")

@@ -1,16 +1,18 @@
-"""Training checkpoints: head params, optimizer state, step and the grain iterator, with orbax.
+"""Training checkpoints: head params, optimizer state and step, with orbax.
 
 A workdir holds `head_config.json` (reference layout) and `checkpoints/<step>/`
-with items `params`, `opt_state` and `data`. orbax writes each step to a
-temporary directory and renames it when complete, so a run killed mid-save
-leaves the previous checkpoint intact.
+with items `params` and `opt_state`. The data position is the step itself (batch s
+is row block s of the workdir's packing plan), so any process count restores it.
+Every process writes its own shards; orbax writes each step to a temporary directory
+and renames it when complete, so a run killed mid-save leaves the previous checkpoint
+intact.
 """
 
 from __future__ import annotations
 
 import os
 
-import grain
+import jax
 import orbax.checkpoint as ocp
 
 from jetflow_jax.errors import CheckpointError
@@ -26,16 +28,16 @@ def checkpoint_manager(workdir: str, save_every: int, keep: int) -> ocp.Checkpoi
                                options=options)
 
 
-def save(manager: ocp.CheckpointManager, step: int, head_params, opt_state, data_iterator,
+def save(manager: ocp.CheckpointManager, step: int, head_params, opt_state,
          force: bool = False) -> bool:
   """Saves when `step` is due (or `force`); returns whether a save started."""
   return manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(head_params), opt_state=ocp.args.StandardSave(opt_state),
-      data=grain.checkpoint.CheckpointSave(data_iterator)), force=force)
+      params=ocp.args.StandardSave(head_params), opt_state=ocp.args.StandardSave(opt_state)),
+      force=force)
 
 
-def restore(manager: ocp.CheckpointManager, abstract_params, abstract_opt_state, data_iterator):
-  """(step, params, opt_state) of the latest checkpoint, the iterator set to its position.
+def restore(manager: ocp.CheckpointManager, abstract_params, abstract_opt_state):
+  """(step, params, opt_state) of the latest checkpoint, placed as the abstract trees say.
 
   Returns None when there is no checkpoint yet.
   """
@@ -44,13 +46,16 @@ def restore(manager: ocp.CheckpointManager, abstract_params, abstract_opt_state,
     return None
   restored = manager.restore(step, args=ocp.args.Composite(
       params=ocp.args.StandardRestore(abstract_params),
-      opt_state=ocp.args.StandardRestore(abstract_opt_state),
-      data=grain.checkpoint.CheckpointRestore(data_iterator)))
+      opt_state=ocp.args.StandardRestore(abstract_opt_state)))
   return step, restored["params"], restored["opt_state"]
 
 
 def restore_head_params(workdir: str, abstract_params):
-  """Head params of the latest checkpoint in a training workdir."""
+  """Head params of the latest checkpoint in a training workdir, on this process's first device
+  (whatever mesh and process count wrote them)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
   directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_SUBDIR)
   with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step()

@@ -1,4 +1,4 @@
-"""Training data: JSONL records -> prompt ids -> (regenerated) token rows -> grain batches.
+"""Training data: JSONL records -> prompt ids; token store + packing plan -> batches.
 
 Input records (one JSON object per line) are any of
   {"prompt": "text"}                        one user turn, chat-templated
@@ -7,21 +7,24 @@ Input records (one JSON object per line) are any of
   {"prompt_ids": [1, 2, 3]}                 an already tokenized prompt
 each with an optional "id". Regenerated records (see `regenerate.py`) are
 {"id", "prompt_ids", "response_ids"}: the loss covers the response only.
-Rows hold one sample each (right-padded) or, with packing, as many as fit, told
-apart by `segment_ids` (1, 2, ... per sample, 0 on padding).
+Regenerated records live in a token store (`store.py`); a packing plan (`packing.py`)
+says which samples fill each row. Rows hold one sample each (right-padded) or, with
+packing, as many as fit, told apart by `segment_ids` (1, 2, ... per sample, 0 on padding).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import grain
 import numpy as np
 
 from jetflow_jax.errors import InputError
 from jetflow_jax.text import encode_chat
+from jetflow_jax.train.packing import PackingPlan
+from jetflow_jax.train.store import TokenStore
 
 # A batch's arrays, in the order the train step takes them; `segment_ids` only in packed rows.
 ROW_ARRAYS = ("tokens", "loss_mask", "segment_ids")
@@ -66,55 +69,60 @@ def prompt_ids(record: dict[str, Any], tokenizer, where: str) -> list[int]:
   return encode_chat(tokenizer, messages)
 
 
-def to_sample(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:
-  """prompt + response, cut to `seq_len`; the loss mask marks the response."""
-  prompt, response = record["prompt_ids"], record["response_ids"]
-  tokens = np.asarray((list(prompt) + list(response))[:seq_len], np.int32)
-  return {"tokens": tokens, "loss_mask": np.arange(len(tokens)) >= len(prompt)}
+def fill_row(samples: Sequence[tuple[np.ndarray, int]], seq_len: int) -> dict[str, np.ndarray]:
+  """One row of `seq_len` from `(tokens, prompt length)` samples placed back to back.
+
+  Each sample is cut to `seq_len`; the loss mask marks response tokens; `segment_ids`
+  numbers the samples 1, 2, ... (0 on the right padding: token 0, outside the loss).
+  """
+  tokens = np.zeros(seq_len, np.int32)
+  loss_mask = np.zeros(seq_len, bool)
+  segment_ids = np.zeros(seq_len, np.int32)
+  at = 0
+  for segment, (sample, prompt_len) in enumerate(samples, 1):
+    n = min(len(sample), seq_len - at)
+    tokens[at:at + n] = sample[:n]
+    loss_mask[at + min(prompt_len, n):at + n] = True
+    segment_ids[at:at + n] = segment
+    at += n
+  return {"tokens": tokens, "loss_mask": loss_mask, "segment_ids": segment_ids}
 
 
 def to_row(record: dict[str, Any], seq_len: int) -> dict[str, np.ndarray]:
-  """`to_sample` right-padded to `seq_len` (padding: token 0, outside the loss)."""
-  sample = to_sample(record, seq_len)
-  pad = seq_len - len(sample["tokens"])
-  return {name: np.pad(x, (0, pad)) for name, x in sample.items()}
+  """A regenerated record alone in a row: prompt + response cut to `seq_len`, loss on the
+  response, right-padded."""
+  tokens = np.asarray(list(record["prompt_ids"]) + list(record["response_ids"]), np.int32)
+  row = fill_row([(tokens, len(record["prompt_ids"]))], seq_len)
+  return {"tokens": row["tokens"], "loss_mask": row["loss_mask"]}
 
 
-def load_regenerated(path: str, seq_len: int) -> list[dict[str, Any]]:
-  """Regenerated records whose response starts inside the sequence length."""
-  records = [r for r in read_jsonl(path) if r.get("response_ids")]
-  usable = [r for r in records if len(r["prompt_ids"]) < seq_len - 1]
-  if not usable:
-    raise InputError(f"{path}: no record has a response within seq_len={seq_len} "
-                     f"({len(records)} records read)")
-  return usable
+class StoreBatches:
+  """Global batch `step` of a packing plan, as the rows `rows` of it that this process feeds.
 
-
-def make_dataset(records: list[dict[str, Any]], seq_len: int, batch_size: int, seed: int,
-                 epochs: int, pack: bool = False) -> tuple[grain.DatasetIterator, int]:
-  """(iterator over batches, number of batches): samples shuffled differently each epoch.
-
-  Without `pack`, one padded sample per row. With it, grain's first-fit packing fills
-  each row with whole samples (`segment_ids` tells them apart). The last partial batch
-  is dropped either way.
+  Random access by step (a grain data source): resuming at step s is starting at index s,
+  whatever the number of processes before or now. Without packing, rows carry no
+  `segment_ids` (one sample each).
   """
-  if len(records) < batch_size:
-    raise InputError(f"{len(records)} training records are fewer than batch_size={batch_size}")
-  samples = grain.MapDataset.source(records).shuffle(seed=seed).repeat(epochs)
-  if not pack:
-    rows = samples.map(lambda r: to_row(r, seq_len)).batch(batch_size, drop_remainder=True)
-    return iter(rows), len(rows)
 
-  def packed_rows(samples: grain.MapDataset) -> grain.IterDataset:
-    return grain.experimental.FirstFitPackIterDataset(
-        samples.to_iter_dataset(), length_struct={"tokens": seq_len, "loss_mask": seq_len},
-        num_packing_bins=batch_size, shuffle_bins=False).map(
-            lambda row: {"tokens": row["tokens"], "loss_mask": row["loss_mask"],
-                         "segment_ids": row["tokens_segment_ids"]})
+  def __init__(self, store: TokenStore, plan: PackingPlan, seq_len: int, batch_size: int,
+               rows: slice | None = None, pack: bool = True):
+    self.store, self.plan, self.seq_len, self.batch_size = store, plan, seq_len, batch_size
+    self.rows = rows or slice(0, batch_size)
+    self.names = ROW_ARRAYS if pack else ROW_ARRAYS[:2]
 
-  # An iterable dataset has no length: count the rows by packing the lengths alone.
-  lengths = samples.map(lambda r: {name: np.zeros(len(x), np.int8)
-                                   for name, x in to_sample(r, seq_len).items()})
-  num_rows = sum(1 for _ in packed_rows(lengths))
-  rows = packed_rows(samples.map(lambda r: to_sample(r, seq_len)))
-  return iter(rows.batch(batch_size, drop_remainder=True)), num_rows // batch_size
+  def __len__(self) -> int:
+    return self.plan.num_steps(self.batch_size)
+
+  def __getitem__(self, step: int) -> dict[str, np.ndarray]:
+    first = step * self.batch_size
+    rows = [fill_row([(self.store.tokens(i), int(self.store.prompt_lengths[i]))
+                      for i in self.plan.row(first + r)], self.seq_len)
+            for r in range(self.rows.start, self.rows.stop)]
+    return {name: np.stack([row[name] for row in rows]) for name in self.names}
+
+
+def batch_iterator(batches: StoreBatches, start_step: int, prefetch: int = 4) -> Iterator[dict]:
+  """Batches from `start_step` on, assembled by a background thread `prefetch` steps ahead."""
+  dataset = grain.MapDataset.source(batches)[start_step:]
+  return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1,
+                                                        prefetch_buffer_size=prefetch)))

@@ -1,8 +1,10 @@
-"""`train_and_evaluate(config, workdir)`: the head's training loop.
+"""`train_and_evaluate(config, workdir)`: the head's training loop, on one process or many.
 
-Resumable at any moment: the step's randomness derives from the step number, the
-grain iterator position is checkpointed with the params, and a run restarted with
-the same command continues from the latest checkpoint to the same parameters.
+Resumable at any moment: the step's randomness derives from the step number, the data
+of step s is row block s of the workdir's packing plan, and a run restarted with the
+same command (on any number of processes, with the same global mesh) continues from the
+latest checkpoint to the same parameters. Each process feeds only its rows of every
+global batch; process 0 alone writes metrics and the exported head.
 """
 
 from __future__ import annotations
@@ -18,32 +20,39 @@ import jax.numpy as jnp
 import ml_collections
 import tqdm
 
-from jetflow_jax import cli
-from jetflow_jax.errors import ConfigError, JetflowError
+from jetflow_jax import cli, distributed
+from jetflow_jax.errors import ConfigError, InputError, JetflowError
 from jetflow_jax.head import RematPolicy
 from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
 from jetflow_jax.model import ExpertsImpl
 from jetflow_jax.train import checkpointing, setup
-from jetflow_jax.train.data import ROW_ARRAYS, make_dataset
+from jetflow_jax.train.data import StoreBatches, batch_iterator
 from jetflow_jax.train.losses import LOSSES
 from jetflow_jax.train.metrics import MetricsWriter
+from jetflow_jax.train.packing import (PackingPlan, check_plan, load_plan, make_plan, plan_inputs,
+                                       save_plan)
 from jetflow_jax.train.sharding import (batch_sharding, check_batch, make_mesh, param_sharding)
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
                                     make_train_step)
+from jetflow_jax.train.store import TokenStore
 
 
 class TrainingError(JetflowError):
   """Training cannot go on (a non-finite loss); the last checkpoint is left intact."""
 
 
-def _check_head_config(workdir: str, head: HeadConfig) -> None:
-  """Writes the head config into a new workdir; refuses a workdir made for another head."""
+def _check_head_config(workdir: str, head: HeadConfig, write: bool = True) -> None:
+  """Writes the head config into a new workdir (if `write`: process 0 only); refuses a workdir
+  made for another head."""
   existing = workdir_head_config(workdir)
   if existing is None:
-    with open(os.path.join(workdir, checkpointing.HEAD_CONFIG_FILE), "w") as f:
-      json.dump(head.to_hf_dict(), f, indent=2)
+    if write:  # whole or not at all: another process may be reading it
+      path = os.path.join(workdir, checkpointing.HEAD_CONFIG_FILE)
+      with open(path + ".tmp", "w") as f:
+        json.dump(head.to_hf_dict(), f, indent=2)
+      os.replace(path + ".tmp", path)
   elif existing != head:
     raise ConfigError(f"{workdir} holds a run of a different head ({existing}); "
                       f"this config asks for {head}. Use a new --workdir.")
@@ -79,25 +88,60 @@ def build_train_step(config: ml_collections.ConfigDict, head: HeadConfig, target
   return optimizer, schedule, train_step
 
 
+def data_plan(config: ml_collections.ConfigDict, workdir: str, store: TokenStore,
+              has_checkpoint: bool) -> PackingPlan:
+  """The workdir's packing plan: reloaded when it fits, else made (by process 0) and saved.
+
+  A resumed run must find the plan it started with. Process 0 alone decides and writes;
+  every process then passes the same barrier and loads the same file.
+  """
+  d = config.data
+  inputs = plan_inputs(seq_len=d.seq_len, epochs=config.train.epochs, seed=d.shuffle_seed,
+                       pack=d.pack, source=store.fingerprint())
+  if distributed.is_main_process():
+    saved = load_plan(workdir)
+    if saved is None or (saved.meta["inputs"] != inputs and not has_checkpoint):
+      save_plan(make_plan(store.lengths, store.prompt_lengths, seq_len=d.seq_len,
+                          epochs=config.train.epochs, seed=d.shuffle_seed, pack=d.pack,
+                          source=inputs["store"]), workdir)
+  distributed.barrier("packing plan")
+  plan = load_plan(workdir)
+  check_plan(plan, inputs, workdir)  # resuming: the data must be what it was
+  return plan
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains the draft head described by `config`; returns the last logged metrics."""
+  """Trains the draft head described by `config`; returns the last logged metrics.
+
+  Every process of a multi-process job calls this with the same arguments. A SIGTERM
+  ends the run after the current step with a checkpoint (`"preempted": True`).
+  """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  os.makedirs(workdir, exist_ok=True)
+  main = distributed.is_main_process()
   t = config.train
   loss_config(config)  # a bad loss setting fails here, before any weights load
   # Everything checkable from config files is checked before the target's weights load.
-  head = setup.head_config(config, setup.target_config(config))
-  head_params = setup.initial_head_params(config, head)
-  _check_head_config(workdir, head)
+  target = setup.target_config(config)
+  head = setup.head_config(config, target)
   mesh = make_mesh(config.mesh.data, config.mesh.fsdp)
   check_batch(mesh, t.batch_size)
-  target, target_params = setup.load_target(config)
-  records = setup.training_records(config, workdir, target, target_params)
-  iterator, num_batches = make_dataset(records, config.data.seq_len, t.batch_size,
-                                       config.data.shuffle_seed, t.epochs, config.data.pack)
-  total_steps = min(num_batches, t.num_steps) if t.num_steps > 0 else num_batches
+  head_params = setup.initial_head_params(config, head)
+  _check_head_config(workdir, head, write=False)  # a workdir of another head: refused up front
+  preemption = distributed.Preemption()  # from here on, so a SIGTERM during set-up counts too
+  store = setup.training_store(config, workdir)
+  if store.max_token >= target.vocab_size:
+    raise InputError(f"{store.directory} holds token id {store.max_token}, outside the target's "
+                     f"vocabulary of {target.vocab_size}")
+  os.makedirs(workdir, exist_ok=True)
+  _check_head_config(workdir, head, write=main)
   manager = checkpointing.checkpoint_manager(workdir, t.checkpoint_every, t.keep_checkpoints)
   latest_step = manager.latest_step() or 0
+  plan = data_plan(config, workdir, store, has_checkpoint=latest_step > 0)
+  num_batches = plan.num_steps(t.batch_size)
+  if not num_batches:
+    raise InputError(f"the data fill {plan.num_rows} rows, fewer than one batch of "
+                     f"train.batch_size={t.batch_size}")
+  total_steps = min(num_batches, t.num_steps) if t.num_steps > 0 else num_batches
   if latest_step > total_steps:
     # A later stage already ran here (a staged script re-run from the top): nothing to train, and
     # the exported head of that later stage stays as it is.
@@ -105,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return {"step": latest_step, "past_total_steps": total_steps}
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
-  target_params = jax.device_put(target_params, param_sharding(mesh, target_params))
+  _, target_params = setup.load_target(config, lambda tree: param_sharding(mesh, tree))
   state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
                      opt_state=optimizer.init(head_params))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.
@@ -113,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   abstract = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
   restored = checkpointing.restore(manager, abstract(state.head_params),
-                                   abstract(state.opt_state), iterator)
+                                   abstract(state.opt_state))
   start = 0
   if restored is not None:
     start, head_params, opt_state = restored
@@ -121,7 +165,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        head_params=head_params, opt_state=opt_state)
 
   rows = batch_sharding(mesh)
-  writer = MetricsWriter(workdir, resume_step=start)
+  global_shape = (t.batch_size, config.data.seq_len)
+  batches = StoreBatches(store, plan, config.data.seq_len, t.batch_size,
+                         distributed.process_rows(rows, global_shape), config.data.pack)
+  iterator = batch_iterator(batches, start)
+  writer = MetricsWriter(workdir, resume_step=start) if main else None
   last = {}
   pending = None  # metrics of the previous step, fetched one step late so the device never idles
 
@@ -131,22 +179,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if not math.isfinite(float(metrics["loss"])):
       raise TrainingError(f"loss is {metrics['loss']} at step {step}; stopping. The latest "
                           f"checkpoint ({manager.latest_step()}) is intact.")
-    last = writer.write(step, metrics, seconds)
-    bar.set_postfix(writer.summary(last), refresh=False)
+    if writer is None:
+      last = MetricsWriter.row(step, metrics, seconds)
+    else:
+      last = writer.write(step, metrics, seconds)
+      bar.set_postfix(writer.summary(last), refresh=False)
 
   def save(step, metrics, force=False):
     if force or manager.should_save(step):
       if not math.isfinite(float(metrics["loss"])):  # never checkpoint a diverged state
         raise TrainingError(f"loss is {float(metrics['loss'])} at step {step}; not saving it. "
                             f"The latest checkpoint ({manager.latest_step()}) is intact.")
-      checkpointing.save(manager, step, state.head_params, state.opt_state, iterator, force=force)
+      checkpointing.save(manager, step, state.head_params, state.opt_state, force=force)
 
-  bar = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step")
-  step, metrics, tick, logged_step = start, None, time.perf_counter(), start
+  bar = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not main)
+  step, metrics, tick, logged_step, preempted = start, None, time.perf_counter(), start, False
   try:
     while step < total_steps:
       batch = next(iterator)
-      arrays = [jax.device_put(batch[name], rows) for name in ROW_ARRAYS if name in batch]
+      arrays = [jax.make_array_from_process_local_data(rows, batch[name], global_shape)
+                for name in batches.names]
       state, metrics = train_step(state, target_params, *arrays)
       step += 1
       if pending is not None:
@@ -156,22 +208,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         now = time.perf_counter()
         pending = (step, metrics, (now - tick) / (step - logged_step))
         tick, logged_step = now, step
+      if preemption.reached(step):
+        preempted = True
+        break
       save(step, metrics)
       bar.update(1)
     if pending is not None:
       log(*pending)
   except KeyboardInterrupt:
-    if metrics is not None and step > (manager.latest_step() or 0):
+    # One process's Ctrl-C cannot save alone (every process writes its shards); SIGTERM can.
+    if (metrics is not None and step > (manager.latest_step() or 0)
+        and not distributed.is_multiprocess()):
       save(step, metrics, force=True)
       manager.wait_until_finished()
       print(f"\ninterrupted: saved step {step}; rerun the same command to resume", flush=True)
     raise
   finally:
     bar.close()
-    writer.close()
+    preemption.close()
+    if writer is not None:
+      writer.close()
   if step > (manager.latest_step() or 0):
     save(step, metrics, force=True)
   manager.wait_until_finished()
   manager.close()
-  save_hf_head(state.head_params, head, os.path.join(workdir, "hf_head"))
+  if preempted:
+    return {"step": step, "preempted": True, **last}
+  head_params = distributed.to_host(state.head_params)
+  if main:
+    save_hf_head(head_params, head, os.path.join(workdir, "hf_head"))
   return {"step": step, **last}

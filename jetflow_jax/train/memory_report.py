@@ -24,7 +24,7 @@ import ml_collections
 
 from jetflow_jax import cli
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.errors import ConfigError
+from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params
@@ -287,15 +287,39 @@ def analytic_estimate(config: ml_collections.ConfigDict, mesh, target: Qwen3Conf
 
 # --- the report ---
 
-def memory_report(config: ml_collections.ConfigDict, limit: int = 16) -> dict:
-  """Compiles the train step for the configured mesh on abstract inputs; returns the numbers."""
-  count = devices_needed(config)
+def job_layout(num_processes: int | None, devices_per_process: int | None,
+               coordinator_address: str | None = None, process_id: int | None = None) -> dict:
+  """The job `--num_processes` x `--devices_per_process` to size (no hosts needed), as kwargs
+  of `memory_report`; {} sizes the configured mesh alone."""
+  if coordinator_address is not None or process_id is not None:
+    raise InputError("--memory_report sizes a job without joining one: give it --num_processes "
+                     "and --devices_per_process, not --coordinator_address or --process_id")
+  if (num_processes is None) != (devices_per_process is None):
+    raise InputError("with --memory_report, --num_processes and --devices_per_process go together")
+  if num_processes is None:
+    return {}
+  if num_processes < 1 or devices_per_process < 1:
+    raise InputError(f"--num_processes={num_processes} and --devices_per_process="
+                     f"{devices_per_process} must be >= 1")
+  return {"num_processes": num_processes, "devices_per_process": devices_per_process}
+
+
+def memory_report(config: ml_collections.ConfigDict, limit: int = 16, num_processes: int = 1,
+                  devices_per_process: int | None = None) -> dict:
+  """Compiles the train step for the configured mesh on abstract inputs; returns the numbers.
+
+  With `devices_per_process`, the mesh is that of a job of `num_processes` such processes
+  (`mesh.data=-1` fills it), compiled here on as many fake devices.
+  """
+  count = (num_processes * devices_per_process if devices_per_process
+           else devices_needed(config))
   use_host_devices(count)
   target, source = target_config(config)
   head = setup.head_config(config, target)
-  mesh = make_mesh(config.mesh.data, config.mesh.fsdp, devices=jax.devices()[:count])
+  mesh = make_mesh(config.mesh.data, config.mesh.fsdp, devices=jax.devices()[:count],
+                   num_processes=num_processes)
   t = config.train
-  check_batch(mesh, t.batch_size)
+  check_batch(mesh, t.batch_size, num_processes=num_processes)
   # The schedule's length does not change any shape; any positive step count compiles the same.
   optimizer, _, train_step = build_train_step(config, head, target, max(t.num_steps, 1000))
   state, target_params, *row_arrays = abstract_arguments(config, mesh, target, head, optimizer)
@@ -313,6 +337,9 @@ def memory_report(config: ml_collections.ConfigDict, limit: int = 16) -> dict:
       "num_devices": mesh.size,
       "platform": platform,
       "mesh": dict(mesh.shape),
+      "num_processes": num_processes,
+      "devices_per_process": devices_per_process or mesh.size,
+      "batch_per_process": t.batch_size // num_processes,
       "compile_seconds": round(seconds, 1),
       "target": {"source": source, "layers": target.num_hidden_layers,
                  "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
@@ -350,6 +377,14 @@ def format_report(report: dict) -> str:
       f"mesh {r['mesh']} on {r['num_devices']} {r['platform']} devices; batch {r['batch_size']} "
       f"({r['batch_per_device']} per device), seq {r['seq_len']}, {r['num_anchors']} anchors; "
       f"compiled in {r['compile_seconds']:.1f} s",
+  ]
+  if r["num_processes"] > 1:
+    per_host, fsdp = r["devices_per_process"], r["mesh"]["fsdp"]
+    where = ("each fsdp group stays on one process" if per_host % fsdp == 0
+             else "fsdp groups span processes: the target's all-gathers cross the network")
+    lines.append(f"job: {r['num_processes']} processes x {per_host} devices, "
+                 f"{r['batch_per_process']} rows of each batch per process; {where}")
+  lines += [
       "",
       "XLA memory analysis, per device:",
       f"  arguments    {_size(m['arguments'])}",

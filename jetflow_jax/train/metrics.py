@@ -42,12 +42,18 @@ class MetricsWriter:
     self._jsonl = open(path, "a")
     self._tensorboard = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
 
-  def write(self, step: int, metrics: dict, seconds: float) -> dict:
+  @staticmethod
+  def row(step: int, metrics: dict, seconds: float) -> dict:
+    """One logged step as plain numbers."""
     row = {"step": step}
     for name, value in metrics.items():
       value = np.asarray(value)
       row[name] = value.tolist() if value.ndim else value.item()
     row["seconds_per_step"] = seconds
+    return row
+
+  def write(self, step: int, metrics: dict, seconds: float) -> dict:
+    row = self.row(step, metrics, seconds)
     self._jsonl.write(json.dumps(row) + "\n")
     self._jsonl.flush()
     if self._tensorboard is not None:

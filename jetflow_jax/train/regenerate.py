@@ -1,31 +1,38 @@
 """Regenerate responses with the target itself, so the head learns the target's own outputs.
 
   python -m jetflow_jax.train.regenerate --target /models/Qwen3-8B --prompts prompts.jsonl \
-      --out regenerated.jsonl --max-new-tokens 2048 --batch-size 32
+      --out STORE --max_new_tokens 2048 --batch_size 32
+  # N processes (one per host): add --coordinator_address=HOST:PORT --num_processes=N
+  # --process_id=I to each; on SLURM, Open MPI or a TPU pod JAX finds them by itself.
 
-Resumable: records already in `--out` (by id) are skipped, and each finished
-batch is appended and flushed, so an interrupted run loses at most one batch.
-`--backend torch` decodes with transformers' `generate` instead (CPU, float32): on
-the 2-core CI machines it decodes small targets about twice as fast as our JAX loop
-at batch 64, where XLA's CPU matmuls are the bottleneck.
+The responses go into a token store (`store.py`). Process p of N regenerates prompts p,
+p + N, p + 2N, ... into shard p of N, on all of its local devices (data-parallel copies of
+the target, which must fit on one device); training reads the shards together.
+Resumable per shard: every finished batch is committed, records already in the shard (by
+id) are skipped, and the shard is marked complete once its share is done, so an
+interrupted run loses at most one batch. `--backend torch` decodes with transformers'
+`generate` instead (CPU, float32): on the 2-core CI machines it decodes small targets about
+twice as fast as our JAX loop at batch 64, where XLA's CPU matmuls are the bottleneck.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from typing import Any, Callable, Sequence
 
+import jax
+import numpy as np
 import tqdm
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jetflow_jax import cli
-from jetflow_jax.checkpoint import is_converted, load_qwen3
+from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
-from jetflow_jax.sampling import Sampler, make_sampler
-from jetflow_jax.train.data import prompt_ids, read_jsonl, record_id
+from jetflow_jax.sampling import Sampler
+from jetflow_jax.train.data import prompt_ids, record_id
+from jetflow_jax.train.store import ShardWriter
 
 CACHE_ROUNDING = 16  # cache sizes a regeneration run may compile for: few, and nearly tight
 BACKENDS = ("jax", "torch")
@@ -33,23 +40,14 @@ BACKENDS = ("jax", "torch")
 BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def finished_ids(out_path: str) -> set[str]:
-  """Ids already written; a torn last line (killed mid-write) is dropped, not fatal."""
-  if not os.path.isfile(out_path):
-    return set()
-  ids, keep = set(), 0
-  with open(out_path) as f:
-    lines = f.readlines()
-  for line in lines:
-    try:
-      ids.add(str(json.loads(line)["id"]))
-      keep += 1
-    except (json.JSONDecodeError, KeyError):
-      break
-  if keep < len(lines):
-    with open(out_path, "w") as f:
-      f.writelines(lines[:keep])
-  return ids
+def local_mesh() -> Mesh:
+  """This process's devices as one data-parallel axis (a copy of the target on each)."""
+  return Mesh(np.array(jax.local_devices()), ("data",))
+
+
+def replicated(mesh: Mesh) -> Callable:
+  """`shardings` for `load_qwen3`: every leaf whole on every device of `mesh`."""
+  return lambda abstract: jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
 
 
 def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
@@ -72,18 +70,20 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 
 
 def jax_generator(target_params, target_config: Qwen3Config, max_new_tokens: int,
-                  sampler: Sampler) -> BatchGenerator:
-  """Our jitted decode loop, its cache sized to each batch."""
+                  sampler: Sampler, mesh: Mesh | None = None) -> BatchGenerator:
+  """Our jitted decode loop, its cache sized to each batch; with `mesh` (a local mesh whose
+  devices each hold the whole target), the batch is split over its devices."""
+  ways = 1 if mesh is None else mesh.size
   widest = 0
 
   def generate_batch(prompts, seed):
     nonlocal widest
-    widest = max(widest, len(prompts))
+    widest = max(widest, -(-len(prompts) // ways) * ways)
     # A short (last) batch is padded to the widest so far so it reuses the compiled shapes.
     padded = list(prompts) + [prompts[-1]] * (widest - len(prompts))
     return generate(target_params, target_config, padded, max_new_tokens, sampler=sampler,
-                    seed=seed, cache_size=tight_cache_size(padded, max_new_tokens)
-                    ).tokens[:len(prompts)]
+                    seed=seed, cache_size=tight_cache_size(padded, max_new_tokens),
+                    mesh=mesh).tokens[:len(prompts)]
   return generate_batch
 
 
@@ -122,77 +122,108 @@ def torch_generator(checkpoint_dir: str, max_new_tokens: int,
   return generate_batch
 
 
-def regenerate(records: Sequence[dict[str, Any]], out_path: str, generate_batch: BatchGenerator,
-               *, tokenizer=None, batch_size: int, max_prompt_len: int, seed: int = 0) -> int:
-  """Appends `{"id", "prompt_ids", "response_ids"[, "response"]}` lines for unfinished records.
+def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
+               make_generator: Callable[[], BatchGenerator], *, tokenizer=None, batch_size: int,
+               max_prompt_len: int, seed: int = 0, shard: int = 0, num_shards: int = 1) -> int:
+  """Regenerates this shard's share of `records` (every `num_shards`-th from `shard`) into
+  shard `shard` of the store at `store_dir`; returns how many this call regenerated.
 
-  `generate_batch` is `jax_generator(...)` or `torch_generator(...)`. Returns the number
-  of records regenerated by this call.
+  `make_generator()` returns `jax_generator(...)` or `torch_generator(...)`; it is called
+  only when something is left to regenerate (a finished shard loads no target). Prompts
+  longer than `max_prompt_len` tokens are skipped.
   """
-  done = finished_ids(out_path)
-  pending = []
-  for index, record in enumerate(records):
-    rid = record_id(record, index)
-    if rid not in done:
-      ids = prompt_ids(record, tokenizer, f"record {rid}")
+  if os.path.isfile(store_dir):
+    raise InputError(f"the regeneration output must be a token store directory; {store_dir} is "
+                     "a file (a JSONL from an older version? train.py converts those itself)")
+  writer = ShardWriter(store_dir, shard, num_shards)
+  pending, skipped = [], 0
+  for index in range(shard, len(records), num_shards):
+    rid = record_id(records[index], index)
+    if rid not in writer.done_ids:
+      ids = prompt_ids(records[index], tokenizer, f"record {rid}")
       if 0 < len(ids) <= max_prompt_len:
-        pending.append((rid, ids))
+        pending.append((rid, index, ids))
+      else:
+        skipped += 1
   # Similar lengths together: fewer padded slots and fewer prompt buckets to compile.
-  pending.sort(key=lambda item: len(item[1]))
-  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-  with open(out_path, "a") as out, tqdm.tqdm(total=len(done) + len(pending), initial=len(done),
-                                             desc="regenerate", unit="prompt") as bar:
+  pending.sort(key=lambda item: len(item[2]))
+  generate_batch = make_generator() if pending else None
+  done = len(writer.done_ids)
+  description = "regenerate" + (f" (shard {shard + 1}/{num_shards})" if num_shards > 1 else "")
+  with tqdm.tqdm(total=done + len(pending), initial=done, desc=description, unit="prompt") as bar:
     for start in range(0, len(pending), batch_size):
       batch = pending[start:start + batch_size]
-      responses = generate_batch([ids for _, ids in batch], seed + start)
-      for (rid, ids), response in zip(batch, responses, strict=True):
-        line = {"id": rid, "prompt_ids": ids, "response_ids": response}
-        if tokenizer is not None:
-          line["response"] = tokenizer.decode(response, skip_special_tokens=True)
-        out.write(json.dumps(line) + "\n")
-      out.flush()
+      responses = generate_batch([ids for _, _, ids in batch], seed + start)
+      writer.append((rid, index, ids, response)
+                    for (rid, index, ids), response in zip(batch, responses, strict=True))
       bar.update(len(batch))
+  writer.finish()
+  writer.close()
+  if skipped:
+    print(f"regenerate: skipped {skipped} prompts that are empty or longer than {max_prompt_len} "
+          "tokens", flush=True)
   return len(pending)
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--target", required=True, help="target checkpoint directory")
-  parser.add_argument("--prompts", required=True, help="JSONL of prompts / conversations")
-  parser.add_argument("--out", required=True, help="JSONL to append regenerated records to")
-  parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
-  parser.add_argument("--max-new-tokens", type=int, default=2048)
-  parser.add_argument("--max-prompt-len", type=int, default=1024)
-  parser.add_argument("--batch-size", type=int, default=16)
-  parser.add_argument("--temperature", type=float, default=0.0)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--dtype", default="bfloat16", help="jax backend only (torch: float32)")
-  parser.add_argument("--backend", default="jax", choices=BACKENDS)
-  parser.add_argument("--threads", type=int, default=0, help="torch backend: CPU threads "
-                      "(0: torch's default)")
-  args = parser.parse_args(argv)
+def _define_flags() -> None:
+  from absl import flags
+  flags.DEFINE_string("target", None, "target checkpoint directory")
+  flags.DEFINE_string("prompts", None, "JSONL of prompts / conversations")
+  flags.DEFINE_string("out", None, "token store directory to regenerate into (resumable)")
+  flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: --target)")
+  flags.DEFINE_integer("max_new_tokens", 2048, "tokens per response at most")
+  flags.DEFINE_integer("max_prompt_len", 1024, "longer prompts are skipped")
+  flags.DEFINE_integer("batch_size", 16, "prompts per batch (per process)")
+  flags.DEFINE_float("temperature", 0.0, "0 is greedy")
+  flags.DEFINE_integer("seed", 0, "sampling seed")
+  flags.DEFINE_string("dtype", "auto", "jax backend: auto (bfloat16 on GPU/TPU, float32 on "
+                      "CPU), float32 or bfloat16; torch runs float32")
+  flags.DEFINE_enum("backend", "jax", BACKENDS, "jax: our decode loop; torch: transformers")
+  flags.DEFINE_integer("threads", 0, "torch backend: CPU threads (0: torch's default)")
+  for name in ("target", "prompts", "out"):
+    flags.mark_flag_as_required(name)
+
+
+def main(argv) -> None:
+  del argv
+  from absl import flags
+
+  from jetflow_jax import distributed
+  from jetflow_jax.checkpoint import load_qwen3
+  from jetflow_jax.sampling import make_sampler
+  from jetflow_jax.train.data import read_jsonl
+  f = flags.FLAGS
 
   def run():
-    if args.batch_size < 1:
-      raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
-    records = list(read_jsonl(args.prompts))
-    tokenizer = tokenizer_if_needed(records, args.tokenizer or args.target)
-    if args.backend == "torch":
-      import torch
-      if args.threads:
-        torch.set_num_threads(args.threads)
-      generate_batch = torch_generator(args.target, args.max_new_tokens, args.temperature)
-    else:
-      config, params = load_qwen3(args.target, cli.parse_dtype(args.dtype))
-      generate_batch = jax_generator(params, config, args.max_new_tokens,
-                                     make_sampler(args.temperature))
-    count = regenerate(records, args.out, generate_batch, tokenizer=tokenizer,
-                       batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
-                       seed=args.seed)
-    print(f"regenerated {count} records into {args.out}")
+    distributed.initialize_from_flags()
+    if f.batch_size < 1:
+      raise InputError(f"--batch_size must be >= 1 (got {f.batch_size})")
+    records = list(read_jsonl(f.prompts))
+    tokenizer = tokenizer_if_needed(records, f.tokenizer or f.target)
+    dtype = cli.parse_dtype(f.dtype)
+
+    def make_generator():
+      if f.backend == "torch":
+        import torch
+        if f.threads:
+          torch.set_num_threads(f.threads)
+        return torch_generator(f.target, f.max_new_tokens, f.temperature)
+      mesh = local_mesh()
+      config, params = load_qwen3(f.target, dtype, replicated(mesh))
+      return jax_generator(params, config, f.max_new_tokens, make_sampler(f.temperature), mesh)
+
+    count = regenerate(records, f.out, make_generator, tokenizer=tokenizer,
+                       batch_size=f.batch_size, max_prompt_len=f.max_prompt_len, seed=f.seed,
+                       shard=jax.process_index(), num_shards=jax.process_count())
+    print(f"regenerated {count} records into {f.out}")
 
   cli.run(run)
 
 
 if __name__ == "__main__":
-  main()
+  from absl import app
+
+  from jetflow_jax import distributed
+  _define_flags()
+  distributed.define_flags()
+  app.run(main)

@@ -1,25 +1,29 @@
-"""From an ml_collections config to the objects training needs: target, head config, data."""
+"""From an ml_collections config to the objects training needs: target, head config, data store."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import jax
 import ml_collections
 
-from jetflow_jax import cli, hf_params
+from jetflow_jax import cli, distributed, hf_params
 from jetflow_jax.checkpoint import is_converted, load_qwen3
 from jetflow_jax.config import Qwen3Config, load_config
-from jetflow_jax.errors import ConfigError
+from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import abstract_head_params, load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.sampling import make_sampler
-from jetflow_jax.train.data import load_regenerated, read_jsonl
-from jetflow_jax.train.regenerate import (BACKENDS, jax_generator, regenerate, tokenizer_if_needed,
-                                          torch_generator)
+from jetflow_jax.train.data import read_jsonl
+from jetflow_jax.train.regenerate import (BACKENDS, jax_generator, local_mesh, regenerate,
+                                          replicated, tokenizer_if_needed, torch_generator)
+from jetflow_jax.train.store import TokenStore, convert_jsonl, converted_from, is_store
+
+STORE_SUBDIR = "store"  # the workdir's token store (regenerated or converted)
 
 
 def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
@@ -32,12 +36,16 @@ def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
                     "(or target.random_init=True for a random test target)")
 
 
-def load_target(config: ml_collections.ConfigDict) -> tuple[Qwen3Config, dict]:
+def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
+  """The frozen target; `shardings` (abstract params -> shardings) places it as it loads, each
+  process reading only the slices of its own devices."""
   dtype = cli.parse_dtype(config.target.dtype)
   if config.target.checkpoint:
-    return load_qwen3(config.target.checkpoint, dtype)
+    return load_qwen3(config.target.checkpoint, dtype, shardings)
   model_config = target_config(config)
-  params = init_params(model_config, jax.random.key(config.target.random_seed), dtype)
+  init = functools.partial(init_params.__wrapped__, model_config, dtype=dtype)
+  out_shardings = None if shardings is None else shardings(abstract_params(model_config, dtype))
+  params = jax.jit(init, out_shardings=out_shardings)(jax.random.key(config.target.random_seed))
   # A freshly initialised LM predicts a near-uniform next token over its whole vocabulary;
   # trained LMs are peaked. Sharpening the LM head makes the random target behave like one,
   # so a head trained on it has something to learn.
@@ -94,27 +102,69 @@ def validate(config: ml_collections.ConfigDict) -> str:
           f"{count(abstract_head_params(head)) / 1e9:.3f}B params")
 
 
-def training_records(config: ml_collections.ConfigDict, workdir: str, target: Qwen3Config,
-                     target_params) -> list[dict]:
-  """Regenerated training records; runs (or resumes) regeneration when prompts are given."""
+def training_store(config: ml_collections.ConfigDict, workdir: str) -> TokenStore:
+  """The token store to train on: regenerated here from `data.prompts` (each process its own
+  shard, resumably), `data.regenerated` itself, or that JSONL converted once into the workdir."""
   d = config.data
-  regenerated = d.regenerated or os.path.join(workdir, "regenerated.jsonl")
+  workdir_store = os.path.join(workdir, STORE_SUBDIR)
   if d.prompts:
-    records = list(read_jsonl(d.prompts))
-    tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
-    if d.regenerate_backend not in BACKENDS:
-      raise ConfigError(f"data.regenerate_backend must be one of {BACKENDS} "
-                        f"(got {d.regenerate_backend!r})")
-    if d.regenerate_backend == "torch":
-      generate_batch = torch_generator(config.target.checkpoint, d.max_new_tokens,
-                                       d.regenerate_temperature)
-    else:
-      generate_batch = jax_generator(target_params, target, d.max_new_tokens,
-                                     make_sampler(d.regenerate_temperature))
-    regenerate(records, regenerated, generate_batch, tokenizer=tokenizer,
-               batch_size=d.regenerate_batch_size, max_prompt_len=d.seq_len - 2,
-               seed=d.regenerate_seed)
-  elif not os.path.isfile(regenerated):
+    store_dir = os.path.expanduser(d.regenerated) if d.regenerated else workdir_store
+    if os.path.isfile(store_dir) or store_dir.endswith(".jsonl"):
+      raise ConfigError(f"with data.prompts, data.regenerated names the token store to regenerate "
+                        f"into (a directory), not {store_dir}; leave it empty for "
+                        f"{workdir_store}")
+    regenerate_prompts(config, store_dir)
+    distributed.barrier("regenerated")
+    return TokenStore(store_dir)
+  if not d.regenerated:
+    if is_store(workdir_store):
+      return TokenStore(workdir_store)
     raise ConfigError("set data.prompts (a JSONL of prompts to regenerate) or data.regenerated "
-                      "(an existing regenerated JSONL)")
-  return load_regenerated(regenerated, d.seq_len)
+                      "(a token store, or a regenerated JSONL to convert into one)")
+  path = os.path.abspath(os.path.expanduser(d.regenerated))
+  if os.path.isdir(path):
+    return TokenStore(path)
+  if not os.path.isfile(path):
+    raise InputError(f"data.regenerated not found: {path}")
+  return converted_store(path, workdir_store)
+
+
+def converted_store(jsonl_path: str, store_dir: str) -> TokenStore:
+  """The store converted from `jsonl_path` at `store_dir`, converting it (process 0) if needed.
+
+  Every process passes the same barrier and then makes the same checks, so a bad store
+  stops them all alike.
+  """
+  if distributed.is_main_process() and not is_store(store_dir):
+    convert_jsonl(jsonl_path, store_dir)
+  distributed.barrier("converted")
+  stat = os.stat(jsonl_path)
+  source = converted_from(store_dir)
+  if source != {"path": jsonl_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}:
+    held = f"a conversion of {source['path']}" if source else "regenerated records"
+    raise ConfigError(f"{store_dir} already holds {held}, not {jsonl_path} as it is now; "
+                      "use a new --workdir (or delete that store to convert again)")
+  return TokenStore(store_dir)
+
+
+def regenerate_prompts(config: ml_collections.ConfigDict, store_dir: str) -> None:
+  """This process's share of `data.prompts`, regenerated into its shard of `store_dir`."""
+  d = config.data
+  if d.regenerate_backend not in BACKENDS:
+    raise ConfigError(f"data.regenerate_backend must be one of {BACKENDS} "
+                      f"(got {d.regenerate_backend!r})")
+  records = list(read_jsonl(d.prompts))
+  tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
+
+  def make_generator():  # only when something is left to regenerate
+    if d.regenerate_backend == "torch":
+      return torch_generator(config.target.checkpoint, d.max_new_tokens,
+                             d.regenerate_temperature)
+    mesh = local_mesh()
+    target, params = load_target(config, replicated(mesh))
+    return jax_generator(params, target, d.max_new_tokens, make_sampler(d.regenerate_temperature),
+                         mesh)
+
+  regenerate(records, store_dir, make_generator, tokenizer=tokenizer,
+             batch_size=d.regenerate_batch_size, max_prompt_len=d.seq_len - 2,
+             seed=d.regenerate_seed, shard=jax.process_index(), num_shards=jax.process_count())

@@ -1,6 +1,9 @@
 """A (data, fsdp) device mesh: the batch splits over both axes, params over `fsdp`.
 
-On one device every sharding is trivial and the step is plain jit.
+The mesh spans every process's devices, in process order, so `fsdp` groups neighbouring
+devices (one host's, when fsdp is at most the devices per host) and each process feeds one
+contiguous run of the batch's rows. On one device every sharding is trivial and the step
+is plain jit.
 """
 
 from __future__ import annotations
@@ -14,16 +17,25 @@ from jetflow_jax.errors import ConfigError
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-  """`data=-1` takes every device not used by `fsdp`."""
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, num_processes: int | None = None) -> Mesh:
+  """`data=-1` takes every device not used by `fsdp`.
+
+  One process may use a leading part of its devices; several must use all of them (a
+  process outside the mesh would have nothing to feed).
+  """
   devices = list(devices if devices is not None else jax.devices())
+  processes = num_processes or jax.process_count()
+  where = (f"the {len(devices)} devices of {processes} processes" if processes > 1
+           else f"the {len(devices)} devices")
   if fsdp < 1 or len(devices) % fsdp:
-    raise ConfigError(f"mesh.fsdp={fsdp} must divide the {len(devices)} devices")
+    raise ConfigError(f"mesh.fsdp={fsdp} must divide {where}")
   if data == -1:
     data = len(devices) // fsdp
   if data < 1 or data * fsdp > len(devices):
-    raise ConfigError(f"mesh data={data} x fsdp={fsdp} needs more than the {len(devices)} "
-                      "devices available")
+    raise ConfigError(f"mesh data={data} x fsdp={fsdp} needs more than {where}")
+  if processes > 1 and data * fsdp != len(devices):
+    raise ConfigError(f"mesh data={data} x fsdp={fsdp} = {data * fsdp} devices must span all "
+                      f"{where} (or leave mesh.data=-1)")
   return Mesh(np.array(devices[:data * fsdp]).reshape(data, fsdp), BATCH_AXES)
 
 
@@ -46,7 +58,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def check_batch(mesh: Mesh, batch_size: int) -> None:
+def check_batch(mesh: Mesh, batch_size: int, num_processes: int | None = None) -> None:
+  processes = num_processes or jax.process_count()
+  if batch_size % processes:
+    raise ConfigError(f"train.batch_size={batch_size} (the global batch) must split evenly over "
+                      f"the {processes} processes")
   ways = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch_size % ways:
     raise ConfigError(f"batch_size={batch_size} must be a multiple of data x fsdp = {ways}")
