@@ -11,10 +11,21 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from jetflow_jax.kernels.tree_attention_pallas import tree_attention_pallas
+from jetflow_jax.kernels.tree_attention_tpu import tree_attention_tpu
 
-TreeAttentionImpl = Literal["xla", "pallas"]
+TreeAttentionImpl = Literal["xla", "pallas", "pallas_tpu"]
+
+
+def pallas_impl(backend: str) -> TreeAttentionImpl:
+  """The Pallas kernel for a JAX backend name: Triton on GPUs, Mosaic on TPUs."""
+  if backend in ("gpu", "cuda", "rocm"):
+    return "pallas"
+  if backend == "tpu":
+    return "pallas_tpu"
+  raise ValueError(f"no Pallas tree attention kernel for backend {backend!r}")
 
 
 def tree_attention_xla(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
@@ -48,18 +59,21 @@ def tree_attention_xla(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh:
 def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
                    cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
                    new_mask_btt: jax.Array, *, impl: TreeAttentionImpl = "xla",
-                   interpret: bool = False, block_kv: int = 64, block_rows: int = 64,
-                   kv_splits: int = 1, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                   interpret: bool | pltpu.InterpretParams = False, block_kv: int | None = None,
+                   block_rows: int = 64, max_rows: int = 128, kv_splits: int = 1,
+                   num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
   """Softmax(q k / sqrt(H)) v over cache slots [0, cache_len_b[b]) and the new rows allowed by
   `new_mask_btt`; float32 softmax, output in q's dtype.
 
   q `[B, T, N, H]` (RoPE applied), caches `[B, S, K, H]`, new keys/values `[B, T, K, H]`,
   mask `[B, T, T]` (query t reads new row j where True). Query head n uses kv head n // (N / K).
   Cache slots at or past cache_len are ignored: any finite values for the XLA path (it multiplies
-  them by zero probabilities), even NaN/inf for the kernel (it masks them before any product).
-  A row allowed no key at all (cache_len 0 and an empty mask row) returns zeros. The keyword
-  arguments after `impl` tune the Pallas kernel only (see `tree_attention_pallas`);
-  `interpret=True` runs it on CPU.
+  them by zero probabilities), even NaN/inf for the kernels (they mask them before any product).
+  A row allowed no key at all (cache_len 0 and an empty mask row) returns zeros. `impl` "pallas" is
+  the Triton (GPU) kernel, "pallas_tpu" the Mosaic (TPU) one (see `pallas_impl`); the keyword
+  arguments after `impl` tune them only: block_kv both (None: each kernel's default, see
+  `tree_attention_pallas` and `tree_attention_tpu`), the rest Triton's. `interpret=True` runs
+  either kernel on CPU; the TPU one also takes a `pltpu.InterpretParams` (the TPU interpreter).
   """
   if q_btnh.shape[2] % k_cache_bskh.shape[2]:
     raise ValueError(f"{q_btnh.shape[2]} query heads do not group onto "
@@ -69,7 +83,11 @@ def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax
                               v_new_btkh, new_mask_btt)
   if impl == "pallas":
     return tree_attention_pallas(q_btnh, k_cache_bskh, v_cache_bskh, cache_len_b, k_new_btkh,
-                                 v_new_btkh, new_mask_btt, interpret=interpret, block_kv=block_kv,
-                                 block_rows=block_rows, kv_splits=kv_splits, num_warps=num_warps,
-                                 num_stages=num_stages)
+                                 v_new_btkh, new_mask_btt, interpret=interpret,
+                                 block_kv=64 if block_kv is None else block_kv,
+                                 block_rows=block_rows, max_rows=max_rows, kv_splits=kv_splits,
+                                 num_warps=num_warps, num_stages=num_stages)
+  if impl == "pallas_tpu":
+    return tree_attention_tpu(q_btnh, k_cache_bskh, v_cache_bskh, cache_len_b, k_new_btkh,
+                              v_new_btkh, new_mask_btt, interpret=interpret, block_kv=block_kv)
   raise ValueError(f"unknown tree attention impl {impl!r}")

@@ -1,9 +1,23 @@
 """Pallas (Triton) tree-verify attention: flash-style over the committed cache, then the new rows.
 
-One program owns one (batch row, kv head, kv split, block of query rows). Its query rows are the
-G query heads of that kv head times a run of query positions, flattened t-major (row r is query
-t = r // G, head g = r % G), so every K/V tile is loaded once for all the heads that share it.
+Query rows are the G query heads of a kv head times the T query positions, flattened t-major (row r
+is query t = r // G, head g = r % G), cut into tiles of `block_rows` rows. One program owns up to
+`max_rows` of them (all T * G when they fit) for one (batch row, kv head, kv split): it walks its
+share of the cache once, and every K/V tile it loads is folded into each of its row tiles before
+the next is loaded, so a tile is read once for all the rows and heads that program holds.
 Scores live in the log2 domain (scaled by log2(e) / sqrt(H)) so the softmax uses exp2.
+
+The cap is the register file: a row's float32 state is H + 2 words and stays in registers for
+the whole cache walk, so at H = 128 about 128 rows fit one program (8 warps: 64 accumulator words
+a thread, the 128 x 128 tile flash-attention kernels use at this head size). All 1024 rows of
+T = 256 at G = 4 would need 512 KiB, more than an SM's registers and shared memory together, and
+parking the state in global memory between K/V tiles would move 1024 * (H + 2) * 8 bytes, about
+1 MiB, per 32 KiB tile of 64 bf16 slots: 4 times what the re-reads below cost. So past `max_rows`
+the rows split over ceil(T * G / max_rows) programs, each of which reads the cache: at G = 4 and
+the default 128 rows, once for T <= 32, 2 times at T = 64, 4 at 128 and 8 at 256 (it was 16 with
+64-row programs). The programs of one (batch row, kv head, split) launch side by side, so those
+repeated reads mostly hit L2. kv_splits adds programs without re-reading anything: each split
+walks a disjoint run of cache blocks.
 """
 
 from __future__ import annotations
@@ -27,16 +41,18 @@ def _next_pow2(x: int) -> int:
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, *stat_refs,
-            scale_log2: float, block_kv: int, block_new: int, kv_splits: int):
-  """Online softmax over this split's cache blocks, plus (split 0 only) the new rows."""
-  split = pl.program_id(2)
+            scale_log2: float, block_kv: int, block_new: int, kv_splits: int, tile_rows: int):
+  """Online softmax over this split's cache blocks, plus (split 0 only) the new rows, for each of
+  the program's row tiles; every K/V tile is loaded once and folded into all of them."""
+  split = pl.program_id(3)
   cache_len = len_ref[()]
   num_slots = k_ref.shape[0]
-  rows, head_dim = q_ref.shape
-  q_rh = q_ref[...]
+  head_dim = q_ref.shape[1]
+  tiles = [pl.ds(i * tile_rows, tile_rows) for i in range(q_ref.shape[0] // tile_rows)]
+  q_rh_tiles = [q_ref[rows, :] for rows in tiles]
 
-  def step(carry, k_ch, v_ch, valid_rc):
-    """Folds one tile of keys into (o, m, l); valid_rc None means every key counts."""
+  def step(carry, q_rh, k_ch, v_ch, valid_rc):
+    """Folds one tile of keys into one row tile's (o, m, l); valid_rc None: every key counts."""
     o_rh, m_r, l_r = carry
     s_rc = plgpu.dot(q_rh, k_ch.astype(q_rh.dtype), trans_b=True) * scale_log2  # f32 accumulation
     if valid_rc is not None:
@@ -51,11 +67,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, *stat
     o_new_rh = alpha_r[:, None] * o_rh + plgpu.dot(p_rc.astype(v_ch.dtype), v_ch)
     return o_new_rh, m_new_r, l_new_r
 
-  def full_block(i, carry):
-    window = pl.ds(i * block_kv, block_kv)
-    return step(carry, k_ref[window, :], v_ref[window, :], None)
+  def every_tile(carries, k_ch, v_ch, valid_of):
+    """The loaded K/V tile folded into each row tile; valid_of(rows) gives that tile's mask."""
+    return tuple(step(carry, q_rh, k_ch, v_ch, valid_of(rows))
+                 for carry, q_rh, rows in zip(carries, q_rh_tiles, tiles))
 
-  def tail_block(i, carry):
+  def full_block(i, carries):
+    window = pl.ds(i * block_kv, block_kv)
+    return every_tile(carries, k_ref[window, :], v_ref[window, :], lambda rows: None)
+
+  def tail_block(i, carries):
     # The window is pulled back inside the buffer when S is not a multiple of block_kv; slots
     # below i * block_kv were already counted by the previous block and are masked out again.
     start = jnp.minimum(i * block_kv, num_slots - block_kv)
@@ -64,53 +85,57 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, *stat
     window = pl.ds(start, block_kv)
     # Slots past cache_len are garbage: zero them so even inf there cannot reach the sum.
     v_ch = jnp.where(valid_c[:, None], v_ref[window, :], jnp.zeros((), v_ref.dtype))
-    valid_rc = jnp.broadcast_to(valid_c[None, :], (rows, block_kv))
-    return step(carry, k_ref[window, :], v_ch, valid_rc)
+    valid_rc = jnp.broadcast_to(valid_c[None, :], (tile_rows, block_kv))
+    return every_tile(carries, k_ref[window, :], v_ch, lambda rows: valid_rc)
 
-  def new_block(j, carry):
+  def new_block(j, carries):
     window = pl.ds(j * block_new, block_new)
-    valid_rc = mask_ref[:, window] != 0
-    return step(carry, kn_ref[window, :], vn_ref[window, :], valid_rc)
+    return every_tile(carries, kn_ref[window, :], vn_ref[window, :],
+                      lambda rows: mask_ref[rows, window] != 0)
 
-  carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
-           jnp.zeros((rows,), jnp.float32))
+  carries = tuple((jnp.zeros((tile_rows, head_dim), jnp.float32),
+                   jnp.full((tile_rows,), _MASK, jnp.float32),
+                   jnp.zeros((tile_rows,), jnp.float32)) for _ in tiles)
   num_full = cache_len // block_kv
   num_blocks = pl.cdiv(cache_len, block_kv)
   # Splits share the row's valid blocks, not the buffer, so a short prefix still spreads out.
   blocks_per_split = pl.cdiv(num_blocks, kv_splits)
   lo = jnp.minimum(split * blocks_per_split, num_blocks)
   hi = jnp.minimum(lo + blocks_per_split, num_blocks)
-  carry = lax.fori_loop(lo, jnp.minimum(hi, num_full), full_block, carry)
-  carry = lax.fori_loop(jnp.maximum(lo, num_full), hi, tail_block, carry)
+  carries = lax.fori_loop(lo, jnp.minimum(hi, num_full), full_block, carries)
+  carries = lax.fori_loop(jnp.maximum(lo, num_full), hi, tail_block, carries)
   num_new_blocks = jnp.where(split == 0, kn_ref.shape[0] // block_new, 0)
-  o_rh, m_r, l_r = lax.fori_loop(0, num_new_blocks, new_block, carry)
+  carries = lax.fori_loop(0, num_new_blocks, new_block, carries)
 
-  if kv_splits == 1:
-    # A row that may read nothing (only padding rows) gets zeros instead of 0 / 0.
-    o_rh = o_rh / jnp.where(l_r > 0.0, l_r, 1.0)[:, None]
-  o_ref[...] = o_rh.astype(o_ref.dtype)
-  if stat_refs:
-    m_ref, l_ref = stat_refs
-    m_ref[...] = m_r
-    l_ref[...] = l_r
+  for rows, (o_rh, m_r, l_r) in zip(tiles, carries):
+    if kv_splits == 1:
+      # A row that may read nothing (only padding rows) gets zeros instead of 0 / 0.
+      o_rh = o_rh / jnp.where(l_r > 0.0, l_r, 1.0)[:, None]
+    o_ref[rows, :] = o_rh.astype(o_ref.dtype)
+    if stat_refs:
+      m_ref, l_ref = stat_refs
+      m_ref[rows] = m_r
+      l_ref[rows] = l_r
 
 
 def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
                           cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
                           new_mask_btt: jax.Array, *, interpret: bool = False, block_kv: int = 64,
-                          block_rows: int = 64, kv_splits: int = 1, num_warps: int = 4,
-                          num_stages: int = 2) -> jax.Array:
+                          block_rows: int = 64, max_rows: int = 128, kv_splits: int = 1,
+                          num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
   """Pallas tree attention; same contract as `tree_attention(..., impl="pallas")`.
 
-  block_kv: cache slots per step; block_rows: (query, head) rows per program, capped at the padded
-  T * G. Both powers of two >= 16, as is H. kv_splits > 1 splits each row's valid cache blocks
-  over that many programs (flash-decoding) and merges them here in float32: worth it when
-  B * K * row blocks is well below the GPU's SM count (small T, small batch).
+  block_kv: cache slots per step; block_rows: (query, head) rows per dot tile, capped at the padded
+  T * G; max_rows: most rows one program holds (its row tiles share every K/V load), so the cache
+  is read ceil(T * G / max_rows) times. All powers of two >= 16, as is H. kv_splits > 1 splits
+  each row's valid cache blocks over that many programs (flash-decoding) and merges them here in
+  float32: worth it when B * K * row programs is well below the GPU's SM count (small T, small
+  batch). num_warps None: 4 for a program of up to 64 rows, else 8.
   """
   b, t, n, h = q_btnh.shape
   s, k = k_cache_bskh.shape[1], k_cache_bskh.shape[2]
   g = n // k
-  for name, size in (("block_kv", block_kv), ("block_rows", block_rows)):
+  for name, size in (("block_kv", block_kv), ("block_rows", block_rows), ("max_rows", max_rows)):
     if size < _MIN_BLOCK or size & (size - 1):
       raise ValueError(f"{name}={size} must be a power of two >= {_MIN_BLOCK}")
   if h < _MIN_BLOCK or h & (h - 1):
@@ -118,9 +143,15 @@ def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bs
   if kv_splits < 1:
     raise ValueError(f"kv_splits={kv_splits} must be >= 1")
 
-  # Query rows: [B, K, T * G, H], padded to whole row blocks.
-  rows = min(block_rows, _next_pow2(max(t * g, _MIN_BLOCK)))
-  r_pad = pl.cdiv(t * g, rows) * rows
+  # Row tiles of `tile_rows`; a program holds `tiles` of them (a power of two, so its block is).
+  tile_rows = min(block_rows, _next_pow2(max(t * g, _MIN_BLOCK)))
+  num_tiles = pl.cdiv(t * g, tile_rows)
+  tiles = min(max(max_rows // tile_rows, 1), _next_pow2(num_tiles))
+  rows = tiles * tile_rows
+  r_pad = pl.cdiv(num_tiles, tiles) * rows
+  if num_warps is None:
+    num_warps = 4 if rows <= 64 else 8
+  # Query rows: [B, K, T * G, H], padded to whole programs.
   q_bkrh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * g, h)
   q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, r_pad - t * g), (0, 0)))
   # New rows: [B, K, T', H] with T' a whole number of new-row blocks; padded keys are masked.
@@ -139,23 +170,25 @@ def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bs
 
   kernel = functools.partial(
       _kernel, scale_log2=math.log2(math.e) / math.sqrt(h), block_kv=block_kv,
-      block_new=block_new, kv_splits=kv_splits)
-  grid = (b, k, kv_splits, r_pad // rows)
-  cache_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, ki, si, ri: (bi, 0, ki, 0))
-  new_spec = pl.BlockSpec((None, None, t_pad, h), lambda bi, ki, si, ri: (bi, ki, 0, 0))
+      block_new=block_new, kv_splits=kv_splits, tile_rows=tile_rows)
+  # Row programs first: Triton launches the leading axes fastest, so the programs that share one
+  # (batch row, kv head, split), and hence its cache, run side by side.
+  grid = (r_pad // rows, b, k, kv_splits)
+  cache_spec = pl.BlockSpec((None, s_pad, None, h), lambda ri, bi, ki, si: (bi, 0, ki, 0))
+  new_spec = pl.BlockSpec((None, None, t_pad, h), lambda ri, bi, ki, si: (bi, ki, 0, 0))
   in_specs = [
-      pl.BlockSpec((None,), lambda bi, ki, si, ri: (bi,)),
-      pl.BlockSpec((None, None, rows, h), lambda bi, ki, si, ri: (bi, ki, ri, 0)),
+      pl.BlockSpec((None,), lambda ri, bi, ki, si: (bi,)),
+      pl.BlockSpec((None, None, rows, h), lambda ri, bi, ki, si: (bi, ki, ri, 0)),
       cache_spec, cache_spec, new_spec, new_spec,
-      pl.BlockSpec((None, rows, t_pad), lambda bi, ki, si, ri: (bi, ri, 0)),
+      pl.BlockSpec((None, rows, t_pad), lambda ri, bi, ki, si: (bi, ri, 0)),
   ]
   # One split writes the finished output; several write unnormalized f32 partials + (m, l).
   out_dtype = q_btnh.dtype if kv_splits == 1 else jnp.float32
   out_shape = [jax.ShapeDtypeStruct((kv_splits, b, k, r_pad, h), out_dtype)]
   out_specs = [pl.BlockSpec((None, None, None, rows, h),
-                            lambda bi, ki, si, ri: (si, bi, ki, ri, 0))]
+                            lambda ri, bi, ki, si: (si, bi, ki, ri, 0))]
   if kv_splits > 1:
-    stat_spec = pl.BlockSpec((None, None, None, rows), lambda bi, ki, si, ri: (si, bi, ki, ri))
+    stat_spec = pl.BlockSpec((None, None, None, rows), lambda ri, bi, ki, si: (si, bi, ki, ri))
     out_shape += [jax.ShapeDtypeStruct((kv_splits, b, k, r_pad), jnp.float32)] * 2
     out_specs += [stat_spec, stat_spec]
   outs = pl.pallas_call(
