@@ -18,6 +18,7 @@ count wrote them. Nothing is held in Python beyond the per-record index.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -220,8 +221,11 @@ class TokenStore:
     if int(index[-1, 0]) != complete["num_tokens"]:
       raise InputError(f"{self.directory}: shard {name} is torn: its index ends at token "
                        f"{int(index[-1, 0])}, {COMPLETE_FILE} says {complete['num_tokens']}")
-    tokens = (np.memmap(os.path.join(path, "tokens.i32"), TOKEN_DTYPE, "r")
-              if complete["num_tokens"] else np.zeros(0, TOKEN_DTYPE))
+    if not complete["num_tokens"]:
+      return np.zeros(0, TOKEN_DTYPE), index.astype(np.int64), complete
+    tokens = np.memmap(os.path.join(path, "tokens.i32"), TOKEN_DTYPE, "r")
+    # Samples are read in shuffled order: read-ahead would pull in pages no batch asks for.
+    tokens._mmap.madvise(mmap.MADV_RANDOM)
     return tokens, index.astype(np.int64), complete
 
   def tokens(self, record: int) -> np.ndarray:
