@@ -3,6 +3,9 @@
   python decode.py --checkpoint DIR --prompt "Write a haiku" --max-new-tokens 64 --chat
   python decode.py --checkpoint DIR --head HEAD_DIR --prompt "def f(x):" --budget 64 --compare-ar
   python decode.py --checkpoint DIR --prompt-ids 1,2,3 --json
+  python decode.py --checkpoint DIR --head HEAD --prompt "..." --mesh tp=4,ep=2
+  python decode.py --memory_report --config configs/qwen3_32b.py --mesh tp=2 --batch-size 8 \
+      --budget 256 --cache-size 8192 [--json]
 """
 
 from __future__ import annotations
@@ -12,8 +15,13 @@ import json
 import sys
 
 
+import jax
+
 from jetflow_jax import cli, embedded, hub
 from jetflow_jax.checkpoint import load_qwen3
+from jetflow_jax.config import load_config
+from jetflow_jax.kernels.tree_attention import attention_for_backend
+from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import check_context_window
 from jetflow_jax.head_checkpoint import load_head
@@ -32,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="default: jetflow with a --head, ar without")
   parser.add_argument("--budget", type=int, default=64, help="tree nodes, root included")
   parser.add_argument("--top-k", type=int, default=7, help="tree candidates per depth")
-  prompt = parser.add_mutually_exclusive_group(required=True)
+  prompt = parser.add_mutually_exclusive_group()
   prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the checkpoint)")
   prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
   prompt.add_argument("--prompts-file", help="one prompt per line (text)")
@@ -51,7 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="KV cache slots (default: fits prompt + max new tokens)")
   parser.add_argument("--allow-long-context", action="store_true",
                       help="run past the model's max_position_embeddings on purpose")
-  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
+  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"),
+                      help="pallas: the backend's kernel (Triton on GPU, Mosaic on TPU, "
+                      "interpreted on CPU)")
+  parser.add_argument("--mesh", default="", help="devices to decode over, e.g. tp=4,ep=2 "
+                      "(axes data, tp, ep; default: one device)")
+  parser.add_argument("--memory_report", "--memory-report", action="store_true",
+                      help="compile prefill and the rounds on abstract shapes for --config and "
+                      "--mesh, print the per-device memory and exit")
+  parser.add_argument("--config", help="with --memory_report: a training config file "
+                      "(configs/NAME.py[:arg]) giving the target's and the head's shapes")
   parser.add_argument("--dtype", default="auto",
                       help="auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or bfloat16")
   return parser.parse_args(argv)
@@ -82,10 +99,25 @@ def read_prompts(args, tokenizer_dir: str):
   return [encode_prompt(tokenizer, t, args.chat) for t in texts], tokenizer
 
 
+def memory_report(args) -> None:
+  from jetflow_jax import decode_memory
+  if not args.config:
+    raise InputError("--memory_report needs --config (a training config file: configs/NAME.py)")
+  report = decode_memory.memory_report(
+      args.config, parse_mesh(args.mesh), batch=args.batch_size, budget=args.budget,
+      top_k=args.top_k, context=args.cache_size or 8192,
+      dtype_name="bfloat16" if args.dtype == "auto" else args.dtype, checkpoint=args.checkpoint)
+  print(json.dumps(report) if args.json else decode_memory.format_report(report))
+
+
 def main(argv=None) -> None:
   args = parse_args(argv)
 
   def decode():
+    if args.memory_report:
+      return memory_report(args)
+    if args.prompt is None and args.prompt_ids is None and args.prompts_file is None:
+      raise InputError("give a prompt: --prompt, --prompt-ids or --prompts-file")
     if args.batch_size < 1:
       raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
     sampler = make_sampler(args.temperature, args.sample_top_k, args.top_p)
@@ -96,7 +128,12 @@ def main(argv=None) -> None:
       compare_ar = compare_ar or head is not None
     method = args.method or ("jetflow" if head else "ar")
     checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
-    config, params = load_qwen3(checkpoint, dtype)
+    attention = attention_for_backend(args.attention, jax.default_backend())
+    mesh = None
+    if args.mesh:
+      mesh = DecodeMesh.create(**parse_mesh(args.mesh))
+      mesh.check(load_config(checkpoint))  # before any weight is read
+    config, params = load_qwen3(checkpoint, dtype, None if mesh is None else mesh.param_shardings)
     head_config, head_params = load_head(head, dtype) if head else (None, None)
     prompts, tokenizer = read_prompts(args, checkpoint)
     if bad := [t for p in prompts for t in p if not 0 <= t < config.vocab_size]:
@@ -116,8 +153,8 @@ def main(argv=None) -> None:
     run = lambda method, on_tokens=None: speculative_generate(
         params, config, head_params, head_config, prompts, args.max_new_tokens, method=method,
         budget=args.budget, top_k=args.top_k, sampler=sampler, seed=args.seed,
-        attention=args.attention, cache_size=args.cache_size, on_tokens=on_tokens,
-        warn=lambda line: print(line, file=sys.stderr))
+        attention=attention, cache_size=args.cache_size, on_tokens=on_tokens,
+        warn=lambda line: print(line, file=sys.stderr), mesh=mesh)
     result = run(method, None if args.json else stream)
     summary = {
         "method": method,

@@ -7,14 +7,17 @@ K kv heads, H head dim, F MLP width, V vocab, E experts, L layers.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-# "pallas" selects the Pallas kernel where one exists (read-only cache + tree rows, see
-# `jetflow_jax.kernels`); plain masked attention always runs through XLA.
-AttentionImpl = Literal["xla", "pallas"]
+# "pallas" / "pallas_tpu" select the Triton / Mosaic kernel where one exists (read-only cache +
+# tree rows, see `jetflow_jax.kernels`); plain masked attention always runs through XLA.
+AttentionImpl = Literal["xla", "pallas", "pallas_tpu"]
+KV_BLOCK = 512  # cache slots per step of the length-bounded loops below
+QUERY_BLOCK = 1024  # queries per step of a long (prefill) run
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
@@ -36,7 +39,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts:
 
   Fully masked query rows (padding) get a uniform average rather than NaN.
   """
-  if impl not in ("xla", "pallas"):
+  if impl not in ("xla", "pallas", "pallas_tpu"):
     raise ValueError(f"unknown attention impl {impl!r}")
   with jax.named_scope("attention"):
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask_bts[:, None],
@@ -46,3 +49,93 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts:
 def causal_mask(query_slots_bt: jax.Array, num_keys: int) -> jax.Array:
   """[B, T, S] mask: a query at cache slot t sees every slot <= t."""
   return jnp.arange(num_keys)[None, None, :] <= query_slots_bt[:, :, None]
+
+
+def fold_cache_blocks(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                      num_valid_b: jax.Array, query_slots_bt: jax.Array | None = None,
+                      block: int = KV_BLOCK):
+  """Online-softmax state (m, l, acc) of q over cache slots s < num_valid_b[b] (and, with
+  `query_slots_bt`, s <= the query's slot), in blocks up to the longest row's count only.
+
+  The loop's trip count is traced: a forward costs what the rows hold, not the buffer's size.
+  q is `[B, T, K, G, H]`, scores scaled by 1/sqrt(H) in float32; returns m, l `[B, K, G, T]` and acc `[B, K, G, T, H]`
+  (float32), to be merged with other keys or finished by `finish_softmax`.
+  """
+  b, t, k, g, h = q_btkgh.shape
+  size = k_bskh.shape[1]
+  block = min(block, size)
+  scale = 1.0 / math.sqrt(h)
+
+  def step(i, carry):
+    m, l, acc = carry
+    # The last window is pulled back inside the buffer; slots below i * block were counted
+    # by the window before and are masked out again.
+    start = jnp.minimum(i * block, size - block)
+    slot_c = start + jnp.arange(block)
+    window = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
+    valid_bc = (slot_c[None, :] >= i * block) & (slot_c[None, :] < num_valid_b[:, None])
+    valid_btc = valid_bc[:, None, :]
+    if query_slots_bt is not None:
+      valid_btc = valid_btc & (slot_c[None, None, :] <= query_slots_bt[:, :, None])
+    s_bkgtc = jnp.einsum("btkgh,bckh->bkgtc", q_btkgh, window(k_bskh),
+                         preferred_element_type=jnp.float32) * scale
+    s_bkgtc = jnp.where(valid_btc[:, None, None], s_bkgtc, -jnp.inf)
+    return merge_scores((m, l, acc), s_bkgtc, window(v_bskh))
+
+  carry = (jnp.full((b, k, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+           jnp.zeros((b, k, g, t, h), jnp.float32))
+  num_blocks = (jnp.max(num_valid_b) + block - 1) // block
+  return jax.lax.fori_loop(0, jnp.minimum(num_blocks, -(-size // block)), step, carry)
+
+
+def merge_scores(carry, s_bkgtc, v_bckh):
+  """Folds one block of masked (-inf) float32 scores and its values into (m, l, acc)."""
+  m, l, acc = carry
+  m_new = jnp.maximum(m, s_bkgtc.max(axis=-1))
+  # A row that has seen only masked keys keeps m = -inf; shift by 0 then, not by -inf.
+  shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p_bkgtc = jnp.exp(s_bkgtc - shift[..., None])
+  alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - shift, -jnp.inf))
+  # Probabilities drop to the value dtype (as in flash attention); products sum in float32.
+  pv = jnp.einsum("bkgtc,bckh->bkgth", p_bkgtc.astype(v_bckh.dtype), v_bckh,
+                  preferred_element_type=jnp.float32)
+  return m_new, alpha * l + p_bkgtc.sum(axis=-1), alpha[..., None] * acc + pv
+
+
+def finish_softmax(carry, dtype) -> jax.Array:
+  """`[B, T, N, H]` from (m, l, acc); a row that read nothing gets zeros."""
+  _, l, acc = carry
+  b, k, g, t, h = acc.shape
+  out_bkgth = acc / jnp.where(l > 0.0, l, 1.0)[..., None]
+  return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, h).astype(dtype)
+
+
+def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                     query_slots_bt: jax.Array, block: int = KV_BLOCK,
+                     query_block: int = QUERY_BLOCK) -> jax.Array:
+  """Causal attention over a KV cache: query (b, t) at slot query_slots_bt[b, t] reads every
+  slot up to its own, visiting blocks only up to the highest such slot (prefill, AR steps).
+
+  Long query runs (prefill) go `query_block` queries at a time, each reading only the blocks
+  below its own last slot: scores never exceed [B, N, query_block, block].
+  """
+  b, t, n, h = q_btnh.shape
+  k = k_bskh.shape[2]
+
+  def attend(q_btnh, slots_bt):
+    carry = fold_cache_blocks(q_btnh.reshape(b, -1, k, n // k, h), k_bskh, v_bskh,
+                              slots_bt.max(axis=1) + 1, slots_bt, block)
+    return finish_softmax(carry, q_btnh.dtype)
+
+  with jax.named_scope("cached_attention"):
+    if t <= query_block:
+      return attend(q_btnh, query_slots_bt)
+    chunks = -(-t // query_block)
+    pad = chunks * query_block - t
+    # Padded queries sit at the last real query's slot (they read what it reads, then drop).
+    q_cbtnh = jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        b, chunks, query_block, n, h).swapaxes(0, 1)
+    slots_cbt = jnp.pad(query_slots_bt, ((0, 0), (0, pad)), mode="edge").reshape(
+        b, chunks, query_block).swapaxes(0, 1)
+    out_cbtnh = jax.lax.map(lambda args: attend(*args), (q_cbtnh, slots_cbt))
+    return out_cbtnh.swapaxes(0, 1).reshape(b, chunks * query_block, n, h)[:, :t]

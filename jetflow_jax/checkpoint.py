@@ -35,13 +35,13 @@ def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Confi
   `python -m jetflow_jax.convert`, or a Hugging Face repo id (`Qwen/Qwen3-8B[@rev]`,
   resolved through the hub cache). Params are cast to `dtype`.
 
-  `shardings`, a function from the abstract params to a pytree of shardings, places every
-  leaf on its devices as it loads: each process reads only the slices its devices hold.
+  `shardings(config, abstract_params)`, returning a pytree of shardings, places every leaf
+  on its devices as it loads: each process reads only the slices its devices hold.
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   config = load_config(path)
   abstract = abstract_params(config, dtype)
-  placement = None if shardings is None else shardings(abstract)
+  placement = None if shardings is None else shardings(config, abstract)
   if is_converted(path):
     if placement is not None:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

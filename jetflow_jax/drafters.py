@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jetflow_jax.attention import AttentionImpl
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.head import append_context, draft_block, init_head_cache
+from jetflow_jax.head import append_context, context_cache, draft_block
 from jetflow_jax.head_config import HeadConfig
 
 
@@ -62,8 +62,7 @@ class HeadDrafter:
 
   def init_state(self, params, target_params, taps_btld, cache_size: int):
     del target_params
-    cache = init_head_cache(self.config, taps_btld.shape[0], cache_size, self.dtype)
-    return self.commit(params, cache, taps_btld, jnp.zeros((taps_btld.shape[0],), jnp.int32))
+    return context_cache(params, self.config, taps_btld, cache_size, self.dtype)
 
   def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
     logits_bdv = draft_block(params, self.config, target_params, target_config, state,

@@ -16,10 +16,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
+from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits, params_dtype
 from jetflow_jax.sampling import Greedy, Sampler
 
@@ -67,15 +67,17 @@ def _append(state: DecodeState, new_b: jax.Array, stop_tokens) -> DecodeState:
   return state.replace(tokens_bs=tokens, lengths_b=lengths, done_b=done)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampler", "cache_size", "stop_tokens"))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "sampler", "cache_size", "stop_tokens", "mesh"))
 def prefill(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b, max_new_tokens,
-            rng, *, sampler: Sampler, cache_size: int, stop_tokens: tuple[int, ...] = ()):
+            rng, *, sampler: Sampler, cache_size: int, stop_tokens: tuple[int, ...] = (),
+            mesh: DecodeMesh | None = None):
   """Runs the padded prompts through the target and samples the first new token."""
   batch, prompt_len = prompt_bt.shape
-  dtype = params_dtype(target_params)
-  cache = KVCache.zeros(config, batch, cache_size, dtype)
-  hidden_btd, cache, _ = forward(target_params, config, prompt_bt, cache=cache,
-                                 cache_index_b=jnp.zeros((batch,), jnp.int32))
+  hidden_btd, prompt_kv, _ = forward(target_params, config, prompt_bt,
+                                     mesh=None if mesh is None else mesh.mesh)
+  cache = KVCache.from_rows(prompt_kv, cache_size,
+                            None if mesh is None else mesh.cache_sharding(config))
   last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
   rng, draw = jax.random.split(rng)
   first_b = sampler(draw, lm_logits(target_params, config, last_bd))
@@ -88,26 +90,28 @@ def prefill(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b, max
 
 
 def decode_step(target_params, config: Qwen3Config, state: DecodeState, sampler: Sampler,
-                stop_tokens: tuple[int, ...] = ()) -> DecodeState:
+                stop_tokens: tuple[int, ...] = (), mesh: DecodeMesh | None = None) -> DecodeState:
   """Forwards each row's last committed token and commits the next one."""
   batch = state.lengths_b.shape[0]
   slot_b = state.lengths_b - 1
   last_b1 = state.tokens_bs[jnp.arange(batch), slot_b][:, None]
   hidden_b1d, cache, _ = forward(target_params, config, last_b1, cache=state.cache,
-                                 cache_index_b=slot_b)
+                                 cache_index_b=slot_b, mesh=None if mesh is None else mesh.mesh)
   rng, draw = jax.random.split(state.rng)
   next_b = sampler(draw, lm_logits(target_params, config, hidden_b1d[:, 0]))
   state = state.replace(cache=cache, rng=rng, num_forwards=state.num_forwards + 1)
   return _append(state, next_b, stop_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampler", "stop_tokens"),
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "stop_tokens", "mesh"),
                    donate_argnames=("state",))
 def decode(target_params, config: Qwen3Config, state: DecodeState, max_steps, *,
-           sampler: Sampler, stop_tokens: tuple[int, ...] = ()) -> DecodeState:
+           sampler: Sampler, stop_tokens: tuple[int, ...] = (),
+           mesh: DecodeMesh | None = None) -> DecodeState:
   """Up to `max_steps` decode steps (traced), stopping early once every row is done."""
-  return steps_until_done(lambda s: decode_step(target_params, config, s, sampler, stop_tokens),
-                          state, max_steps)
+  return steps_until_done(
+      lambda s: decode_step(target_params, config, s, sampler, stop_tokens, mesh), state,
+      max_steps)
 
 
 def steps_until_done(step: Callable, state, max_steps):
@@ -176,7 +180,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], cache_size: int) -> tuple[np.n
   return padded, np.array([len(p) for p in prompts], np.int32)
 
 
-def _placed(tree, sharding):
+def placed(tree, sharding):
   """Abstract values of `tree` carrying `sharding` (a pytree like `tree`, or one for all)."""
   if not isinstance(sharding, jax.sharding.Sharding):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
@@ -186,11 +190,10 @@ def _placed(tree, sharding):
 
 @functools.lru_cache(maxsize=32)
 def _compiled(config: Qwen3Config, dtype, prompt_shape: tuple[int, int], sampler: Sampler,
-              cache_size: int, stop_tokens: tuple[int, ...], mesh: Mesh | None = None):
+              cache_size: int, stop_tokens: tuple[int, ...], mesh: DecodeMesh | None = None):
   """Ahead-of-time compiled (prefill, decode) for one shape; kept so repeated calls are free.
 
-  With `mesh`, rows are split over all its devices and the params replicated on each
-  (data-parallel copies of the target).
+  With `mesh`, params, rows and the KV cache are placed as `DecodeMesh` says.
   """
   params = abstract_params(config, dtype)
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
@@ -198,17 +201,17 @@ def _compiled(config: Qwen3Config, dtype, prompt_shape: tuple[int, int], sampler
   lengths_b = jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32)
   rng = jax.eval_shape(jax.random.key, 0)
   if mesh is not None:
-    everywhere, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(mesh.axis_names))
-    params, int_scalar, rng = _placed((params, int_scalar, rng), everywhere)
-    prompt_bt, lengths_b = _placed((prompt_bt, lengths_b), rows)
+    params = placed(params, mesh.param_shardings(config, params))
+    int_scalar, rng = placed((int_scalar, rng), mesh.replicated())
+    prompt_bt, lengths_b = placed((prompt_bt, lengths_b), mesh.rows())
   prefill_compiled = prefill.lower(params, config, prompt_bt, lengths_b, int_scalar, rng,
                                    sampler=sampler, cache_size=cache_size,
-                                   stop_tokens=stop_tokens).compile()
+                                   stop_tokens=stop_tokens, mesh=mesh).compile()
   state = prefill_compiled.out_info
   if mesh is not None:
-    state = _placed(state, prefill_compiled.output_shardings)
+    state = placed(state, prefill_compiled.output_shardings)
   decode_lowered = decode.lower(params, config, state, int_scalar, sampler=sampler,
-                                stop_tokens=stop_tokens)
+                                stop_tokens=stop_tokens, mesh=mesh)
   return prefill_compiled, decode_lowered.compile()
 
 
@@ -216,16 +219,16 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
              max_new_tokens: int, *, sampler: Sampler = Greedy(), seed: int = 0,
              cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
-             stream_every: int = 8, mesh: Mesh | None = None) -> Generation:
+             stream_every: int = 8, mesh: DecodeMesh | None = None) -> Generation:
   """Decodes a batch of prompts (lists of token ids of any lengths).
 
   `cache_size` defaults to a power of two that fits the longest prompt plus
   `max_new_tokens`. `stop_tokens` defaults to the config's EOS ids. With
   `on_tokens`, the host regains control every `stream_every` steps and is given
   the tokens generated so far (for streaming); otherwise one jitted loop runs to
-  the end. With `mesh`, the rows are split over its devices (data parallel; the number
-  of prompts must be a multiple of the mesh's size) and `target_params` are replicated
-  there.
+  the end. With `mesh` (a `DecodeMesh`), the rows split over its `data` axis (the number
+  of prompts must be a multiple of its size) and the target over `tp` / `ep`;
+  `target_params` must already be placed as `mesh.param_shardings` says.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -233,8 +236,9 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
     cache_size = default_cache_size(config, prompts, max_new_tokens)
   stop = stop_tokens_for(config, stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
-  if mesh is not None and len(prompts) % mesh.size:
-    raise InputError(f"{len(prompts)} prompts do not split over the mesh's {mesh.size} devices")
+  if mesh is not None and len(prompts) % mesh.size("data"):
+    raise InputError(f"{len(prompts)} prompts do not split over the mesh's "
+                     f"{mesh.size('data')} data-parallel rows")
   start = time.perf_counter()
   dtype = params_dtype(target_params)
   prefill_fn, decode_fn = _compiled(config, dtype, prompt_bt.shape, sampler, cache_size, stop,

@@ -103,6 +103,17 @@ def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, s
                  v=tuple(write_rows(buf, v, start_b) for buf, (_, v) in zip(cache.v, kvs)))
 
 
+def context_cache(head_params, config: HeadConfig, taps_btld, size: int,
+                  dtype: Dtype = jnp.float32) -> KVCache:
+  """A context cache of `size` slots holding the K/V of T prompt rows' taps at slots 0..T-1
+  (what `append_context` writes into a zeroed cache, built in one pass)."""
+  positions_bt = jnp.broadcast_to(jnp.arange(taps_btld.shape[1], dtype=jnp.int32),
+                                  taps_btld.shape[:2])
+  kvs = DraftHead(config, dtype).apply({"params": head_params}, taps_btld.astype(dtype),
+                                       positions_bt, method=DraftHead.context_kv)
+  return KVCache.from_rows(KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs)), size)
+
+
 def _block_tokens(config: HeadConfig, anchors_ba):
   """[B, A, block]: each anchor followed by block - 1 MASK tokens."""
   masks = jnp.full(anchors_ba.shape + (config.depth,), config.mask_token_id, jnp.int32)

@@ -15,8 +15,9 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
-from jetflow_jax.attention import AttentionImpl, apply_rope, attention, causal_mask
+from jetflow_jax.attention import AttentionImpl, apply_rope, attention, cached_attention
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
 
@@ -38,6 +39,18 @@ class KVCache:
   @property
   def size(self) -> int:
     return self.k[0].shape[1]
+
+  @classmethod
+  def from_rows(cls, rows: "KVCache", size: int,
+                sharding: jax.sharding.Sharding | None = None) -> "KVCache":
+    """A cache of `size` slots whose first slots are `rows` (a prefill's own K/V), written in
+    one pass (zeroing a buffer, then updating a slice of it, costs two or three); inside jit,
+    `sharding` pins where each buffer lives."""
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, size - x.shape[1]), (0, 0), (0, 0)))
+    k, v = tuple(map(pad, rows.k)), tuple(map(pad, rows.v))
+    if sharding is not None:
+      k, v = jax.lax.with_sharding_constraint((k, v), sharding)
+    return cls(k=k, v=v)
 
   @classmethod
   def zeros(cls, config: Qwen3Config, batch: int, size: int, dtype: Dtype) -> "KVCache":
@@ -77,6 +90,7 @@ class Attention(nn.Module):
     """Attends the T new rows to the cache after writing their keys at `cache_index_b`.
 
     `kv` is this layer's `(k_bskh, v_bskh)` buffers, or None to attend to the new rows only.
+    `mask_bts` None (with `kv`) means causal over slots, computed only up to the rows' slots.
     With `tree_mask_btt`, the cache is read-only: the rows read its first `cache_index_b`
     slots plus each other under that mask, and their own (k, v) are returned unwritten.
     """
@@ -91,8 +105,13 @@ class Attention(nn.Module):
     if kv is not None:
       k_btkh = write_rows(kv[0], k_btkh, cache_index_b)
       v_btkh = write_rows(kv[1], v_btkh, cache_index_b)
-    out_btnh = attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype), mask_bts,
-                         impl=self.impl)
+    if mask_bts is None:  # causal over slots (the rows' own without a cache), as far as they reach
+      slots_bt = cache_index_b[:, None] + jnp.arange(x_btd.shape[1], dtype=jnp.int32)
+      out_btnh = cached_attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype),
+                                  slots_bt)
+    else:
+      out_btnh = attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype),
+                           mask_bts, impl=self.impl)
     return self.o_proj(out_btnh), (k_btkh, v_btkh)
 
 
@@ -121,11 +140,15 @@ class MoE(nn.Module):
   - `blocked`: each row routes its own pairs (rows sharded over devices stay local)
     into fixed-size blocks of one expert each, and a loop over the blocks runs plain
     batched matmuls. Memory is the pairs themselves on every backend.
+  With a decode `mesh` (axes data, tp, ep), the experts run blocked on each shard:
+  every device computes its own experts (and MLP columns) for the pairs routed to them
+  and the partial sums meet in one all-reduce, so no expert's weights ever move.
   """
 
   config: Qwen3Config
   dtype: Dtype = jnp.float32
   experts: ExpertsImpl = "ragged"
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x_btd):
@@ -139,8 +162,10 @@ class MoE(nn.Module):
     if c.norm_topk_prob:
       weights_btk = weights_btk / weights_btk.sum(axis=-1, keepdims=True)
     weights_btk = weights_btk.astype(self.dtype)
+    if self.mesh is not None:
+      return _expert_parallel(self.mesh, experts.weights(), x_btd, experts_btk, weights_btk)
     if self.experts == "blocked":
-      return _blocked_experts(experts, x_btd, experts_btk, weights_btk)
+      return _blocked_experts(experts.weights(), x_btd, experts_btk, weights_btk, num_experts)
     if self.experts != "ragged":
       raise ValueError(f"unknown experts implementation {self.experts!r}: ragged | blocked")
 
@@ -179,20 +204,74 @@ def expert_blocks(experts_p: jax.Array, num_experts: int, block: int = EXPERT_BL
   return rows_p, jnp.minimum(block_experts, num_experts - 1)
 
 
-def _blocked_experts(experts: "_Experts", x_btd, experts_btk, weights_btk):
+def _blocked_experts(weights, x_btd, experts_btk, weights_btk, num_experts: int,
+                     skipped_expert: int | None = None):
+  """Expert outputs summed per token; `weights` is (gate [E, D, F], up [E, D, F], down [E, F, D]).
+
+  Pairs routed to `skipped_expert` (an id past the weights: another shard's experts) get
+  blocks of their own that are never computed and contribute zero.
+  """
   batch, length, d = x_btd.shape
   top_k = experts_btk.shape[-1]
   token_of_pair = jnp.arange(length * top_k) // top_k
   rows_bp, block_experts_bn = jax.vmap(
-      lambda e: expert_blocks(e.reshape(-1), experts.num_experts, EXPERT_BLOCK))(experts_btk)
+      lambda e: expert_blocks(e.reshape(-1), num_experts, EXPERT_BLOCK))(experts_btk)
   num_blocks = block_experts_bn.shape[1]
   scatter = jax.vmap(lambda rows, x: jnp.zeros((num_blocks * EXPERT_BLOCK, d), x.dtype)
                      .at[rows].set(x[token_of_pair]))
   blocks_bncd = scatter(rows_bp, x_btd).reshape(batch, num_blocks, EXPERT_BLOCK, d)
-  y_bncd = experts.blocked(blocks_bncd, block_experts_bn)
+  y_bncd = _expert_blocks_mlp(weights, blocks_bncd, block_experts_bn, skipped_expert)
   y_bpd = jax.vmap(lambda y, rows: y[rows])(y_bncd.reshape(batch, -1, d), rows_bp)
   y_bpd = y_bpd * weights_btk.reshape(batch, -1, 1)
   return jnp.zeros_like(x_btd).at[:, token_of_pair].add(y_bpd.astype(x_btd.dtype))
+
+
+def _expert_blocks_mlp(weights, x_bncd, experts_bn, skipped_expert: int | None = None):
+  """Expert outputs `[B, NB, C, D]` for blocks of C rows, block (b, n) all of expert e[b, n]."""
+  dtype = x_bncd.dtype
+
+  def one_block(args):  # the n-th block of every row: one expert's weights per row
+    x_bcd, e_b = args
+    gate_bdf, up_bdf, down_bfd = (w[jnp.minimum(e_b, w.shape[0] - 1)].astype(dtype)
+                                  for w in weights)
+    hidden_bcf = (nn.silu(jnp.einsum("bcd,bdf->bcf", x_bcd, gate_bdf))
+                  * jnp.einsum("bcd,bdf->bcf", x_bcd, up_bdf))
+    return jnp.einsum("bcf,bfd->bcd", hidden_bcf, down_bfd)
+
+  def maybe_block(args):
+    x_bcd, e_b = args
+    if skipped_expert is None:
+      return one_block(args)
+    # Another shard's pairs: skipped (every row of a block shares its fate only per row, so
+    # the block runs when any row needs it and the skipped rows are zeroed).
+    y_bcd = jax.lax.cond(jnp.all(e_b == skipped_expert), lambda a: jnp.zeros_like(a[0]),
+                         one_block, args)
+    return jnp.where((e_b == skipped_expert)[:, None, None], 0.0, y_bcd).astype(dtype)
+
+  y_nbcd = jax.lax.map(maybe_block, (x_bncd.swapaxes(0, 1), experts_bn.T))
+  return y_nbcd.swapaxes(0, 1)
+
+
+def _expert_parallel(mesh: Mesh, weights, x_btd, experts_btk, weights_btk):
+  """The MoE block with experts split over `ep` and their MLP width over `tp` (see `MoE`)."""
+  num_experts = weights[0].shape[0]
+  local_experts = num_experts // mesh.shape["ep"]
+  rows = P("data") if "data" in mesh.axis_names else P()
+
+  def local(gate_edf, up_edf, down_efd, x_btd, experts_btk, weights_btk):
+    local_btk = experts_btk - jax.lax.axis_index("ep") * local_experts
+    owned_btk = (local_btk >= 0) & (local_btk < local_experts)
+    # Pairs of other shards' experts: a sentinel expert whose blocks are skipped, weight zero.
+    local_btk = jnp.where(owned_btk, local_btk, local_experts)
+    weights_btk = jnp.where(owned_btk, weights_btk, 0).astype(weights_btk.dtype)
+    y_btd = _blocked_experts((gate_edf, up_edf, down_efd), x_btd, local_btk, weights_btk,
+                             local_experts + 1, skipped_expert=local_experts)
+    return jax.lax.psum(y_btd, ("ep", "tp"))
+
+  column, row = P("ep", None, "tp"), P("ep", "tp", None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(column, column, row, rows, rows, rows),
+                       out_specs=rows, check_vma=False)(*weights, x_btd, experts_btk,
+                                                        weights_btk)
 
 
 class _Experts(nn.Module):
@@ -208,26 +287,15 @@ class _Experts(nn.Module):
     self.up_proj = self.param("up_proj", init, (e, d, f))
     self.down_proj = self.param("down_proj", init, (e, f, d))
 
+  def weights(self):
+    return self.gate_proj, self.up_proj, self.down_proj
+
   def __call__(self, x_md, group_sizes_e):
     """Expert outputs `[M, D]` for rows sorted by expert, `group_sizes_e` rows each."""
     x_md = x_md.astype(self.dtype)
     grouped = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(self.dtype), group_sizes_e)
     hidden_mf = nn.silu(grouped(x_md, self.gate_proj)) * grouped(x_md, self.up_proj)
     return grouped(hidden_mf, self.down_proj)
-
-  def blocked(self, x_bncd, experts_bn):
-    """Expert outputs `[B, NB, C, D]` for blocks of C rows, block (b, n) all of expert e[b, n]."""
-    weights = [w.astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
-
-    def one_block(args):  # the n-th block of every row: one expert's weights per row
-      x_bcd, e_b = args
-      gate_bdf, up_bdf, down_bfd = (w[e_b] for w in weights)
-      hidden_bcf = (nn.silu(jnp.einsum("bcd,bdf->bcf", x_bcd, gate_bdf))
-                    * jnp.einsum("bcd,bdf->bcf", x_bcd, up_bdf))
-      return jnp.einsum("bcf,bfd->bcd", hidden_bcf, down_bfd)
-
-    y_nbcd = jax.lax.map(one_block, (x_bncd.astype(self.dtype).swapaxes(0, 1), experts_bn.T))
-    return y_nbcd.swapaxes(0, 1)
 
 
 class DecoderLayer(nn.Module):
@@ -238,6 +306,7 @@ class DecoderLayer(nn.Module):
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
+  mesh: Mesh | None = None
 
   def setup(self):
     c = self.config
@@ -245,7 +314,7 @@ class DecoderLayer(nn.Module):
     self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl)
     self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if c.is_moe_layer(self.layer):
-      self.mlp = MoE(c, dtype=self.dtype, experts=self.experts)
+      self.mlp = MoE(c, dtype=self.dtype, experts=self.experts, mesh=self.mesh)
     else:
       self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
 
@@ -266,11 +335,13 @@ class Qwen3(nn.Module):
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
+  mesh: Mesh | None = None  # a decode mesh: MoE layers run their experts per shard
 
   def setup(self):
     c = self.config
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
-    self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl, experts=self.experts)
+    self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl, experts=self.experts,
+                                mesh=self.mesh)
                    for i in range(c.num_hidden_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if not c.tie_word_embeddings:
@@ -280,6 +351,7 @@ class Qwen3(nn.Module):
                tap_layers: Sequence[int] = (), tree_mask_btt=None):
     """Returns (final normed hidden `[B, T, D]`, updated cache, taps `[B, T, len(taps), D]`).
 
+    Without a cache, the returned `KVCache` holds the T rows' own keys and values.
     Tap i is the raw output of decoder layer `tap_layers[i]` (HF `hidden_states[i + 1]`).
     With `tree_mask_btt` the cache is only read, and the returned cache holds the T new
     rows' keys and values (`[B, T, K, H]` per layer) instead.
@@ -293,7 +365,7 @@ class Qwen3(nn.Module):
       new_v.append(v)
       if i in tap_layers:
         taps[i] = x_btd
-    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v))
     taps_btld = jnp.stack([taps[i] for i in tap_layers], axis=2) if tap_layers else None
     return self.norm(x_btd), new_cache, taps_btld
 
@@ -334,20 +406,25 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
 def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
             cache: KVCache | None = None, cache_index_b=None, mask_bts=None,
             tap_layers: Sequence[int] = (), dtype: Dtype | None = None,
-            impl: AttentionImpl = "xla", tree_mask_btt=None, experts: ExpertsImpl = "ragged"):
+            impl: AttentionImpl = "xla", tree_mask_btt=None, experts: ExpertsImpl = "ragged",
+            mesh: Mesh | None = None):
   """One target forward. Returns (hidden `[B, T, D]`, cache, taps).
 
   Without a cache, the T rows attend to each other causally (or by `mask_bts`,
-  `[B, T, T]`). With a cache, their keys are written at slots
+  `[B, T, T]`) and the returned `KVCache` holds their keys and values (a prefill
+  turns it into a cache with `KVCache.from_rows`). With a cache, their keys are written at slots
   `cache_index_b[b] + t` and `mask_bts` is `[B, T, S]`, by default causal over
-  slots. RoPE positions default to the slot indices.
+  slots (then only the slots up to the rows' own are read: the cost follows the
+  sequence, not the buffer). RoPE positions default to the slot indices.
 
   With `tree_mask_btt` (`[B, T, T]`, tree verification and draft blocks), the
   cache is read-only: the rows see its first `cache_index_b[b]` slots and each
   other where the mask is True, and the returned `KVCache` holds their own keys
   and values (`[B, T, K, H]`), for the caller to commit the rows it keeps.
 
-  `experts` picks the MoE layers' grouped matmuls (see `MoE`).
+  `experts` picks the MoE layers' grouped matmuls (see `MoE`); with a decode `mesh`
+  (axes data, tp, ep; params placed by `jetflow_jax.mesh.DecodeMesh`) MoE layers run
+  expert-parallel instead.
   """
   batch, length = tokens_bt.shape
   if cache_index_b is None:
@@ -359,12 +436,10 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
     raise ValueError("tree_mask_btt needs the cache it reads")
   if tree_mask_btt is not None:
     mask_bts = None  # the cache prefix and the tree mask say it all
-  elif mask_bts is None and cache is None:
-    mask_bts = causal_mask(jnp.broadcast_to(jnp.arange(length), (batch, length)), length)
-  elif mask_bts is None:
-    mask_bts = causal_mask(slots_bt, cache.size)
+  # No mask: attention is causal over slots (the rows' own, without a cache), in blocks only as
+  # far as the rows reach.
   dtype = dtype or params_dtype(params)
-  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts)
+  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers), tree_mask_btt)
 

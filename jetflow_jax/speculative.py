@@ -32,9 +32,10 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.drafters import Drafter, HeadDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import (default_cache_size, generate, is_stop, new_tokens, pad_prompts,
-                                  run_loop, steps_until_done, stop_tokens_for)
+                                  placed, run_loop, steps_until_done, stop_tokens_for)
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype, write_rows
+from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
 from jetflow_jax.sampling import Greedy, Sampler
 from jetflow_jax.tree import DraftTree, build_tree, chain_tree, validate_tree_args
 
@@ -96,7 +97,8 @@ def _commit_count(state: SpecState, emitted_bd, accepted_depth_b, stop_tokens):
 
 def speculative_round(target_params, drafter_params, state: SpecState, *, config: Qwen3Config,
                       drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
-                      stop_tokens: tuple[int, ...], impl: str = "xla") -> SpecState:
+                      stop_tokens: tuple[int, ...], impl: str = "xla",
+                      mesh: DecodeMesh | None = None) -> SpecState:
   """One whole round for every row (finished rows compute and commit nothing)."""
   batch = state.lengths_b.shape[0]
   rows = jnp.arange(batch)
@@ -113,7 +115,7 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
     hidden_bnd, tree_kv, taps_bnld = forward(
         target_params, config, tree.tokens, positions_bt=context_len_b[:, None] + tree.depths,
         cache=state.cache, cache_index_b=context_len_b, tree_mask_btt=tree.ancestor_mask,
-        tap_layers=drafter.tap_layers, impl=impl)
+        tap_layers=drafter.tap_layers, impl=impl, mesh=None if mesh is None else mesh.mesh)
     logits_bnv = lm_logits(target_params, config, hidden_bnd)
   with jax.named_scope("accept"):
     rng, draw = jax.random.split(state.rng)
@@ -142,18 +144,20 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
                        committed_br=committed_br)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "drafter", "sampler", "stop_tokens", "capacity"))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "sampler", "stop_tokens",
+                                             "capacity", "mesh"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng, *,
             config: Qwen3Config, drafter: Drafter, sampler: Sampler,
-            stop_tokens: tuple[int, ...], capacity: int) -> SpecState:
+            stop_tokens: tuple[int, ...], capacity: int,
+            mesh: DecodeMesh | None = None) -> SpecState:
   """Target forward over the padded prompts; the first token; the drafter's initial state."""
   batch, prompt_len = prompt_bt.shape
   slots = capacity + drafter.depth + 1
-  cache = KVCache.zeros(config, batch, slots, params_dtype(target_params))
-  hidden_btd, cache, taps_btld = forward(target_params, config, prompt_bt, cache=cache,
-                                         cache_index_b=jnp.zeros((batch,), jnp.int32),
-                                         tap_layers=drafter.tap_layers)
+  hidden_btd, prompt_kv, taps_btld = forward(target_params, config, prompt_bt,
+                                             tap_layers=drafter.tap_layers,
+                                             mesh=None if mesh is None else mesh.mesh)
+  cache = KVCache.from_rows(prompt_kv, slots,
+                            None if mesh is None else mesh.cache_sharding(config))
   last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
   rng, draw = jax.random.split(rng)
   first_b = sampler(draw, lm_logits(target_params, config, last_bd))
@@ -171,15 +175,15 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "tree_shape", "sampler",
-                                             "stop_tokens", "impl"),
+                                             "stop_tokens", "impl", "mesh"),
                    donate_argnames=("state",))
 def decode(target_params, drafter_params, state: SpecState, max_rounds, *, config: Qwen3Config,
            drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
-           stop_tokens: tuple[int, ...], impl: str) -> SpecState:
+           stop_tokens: tuple[int, ...], impl: str, mesh: DecodeMesh | None = None) -> SpecState:
   """Up to `max_rounds` rounds (traced) in one `lax.while_loop`, until every row is done."""
   round_fn = functools.partial(speculative_round, target_params, drafter_params, config=config,
                                drafter=drafter, tree_shape=tree_shape, sampler=sampler,
-                               stop_tokens=stop_tokens, impl=impl)
+                               stop_tokens=stop_tokens, impl=impl, mesh=mesh)
   return steps_until_done(round_fn, state, max_rounds)
 
 
@@ -226,27 +230,43 @@ def stop_reason(tokens: list[int], max_new_tokens: int, stop_tokens: Sequence[in
   return "max_new_tokens" if len(tokens) >= max_new_tokens else "cache_full"
 
 
-def _shapes(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+def _shapes(tree, keep_sharding: bool = False):
+  """Abstract values of `tree`; with `keep_sharding`, placed where its arrays are."""
+  sharding = lambda x: getattr(x, "sharding", None) if keep_sharding else None
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                                     sharding=sharding(x)), tree)
 
 
 _COMPILED: dict = {}
 
 
 def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capacity: int):
-  """Ahead-of-time compiled (prefill, decode) for one set of shapes; kept for reuse."""
-  params = (_shapes(target_params), _shapes(drafter_params))
+  """Ahead-of-time compiled (prefill, decode) for one set of shapes; kept for reuse.
+
+  With `statics["mesh"]`, the params are taken where they are (the caller placed them) and
+  the rows, scalars and decode state where the mesh puts them.
+  """
+  mesh = statics["mesh"]
+  params = (_shapes(target_params, mesh is not None), _shapes(drafter_params, mesh is not None))
   key = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)),
          prompt_shape, tuple(statics.items()), capacity)
-  prefill_statics = {k: statics[k] for k in ("config", "drafter", "sampler", "stop_tokens")}
+  prefill_statics = {k: statics[k] for k in ("config", "drafter", "sampler", "stop_tokens",
+                                             "mesh")}
   prefill_key = key[:3] + (tuple(prefill_statics.items()), capacity)
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  prompt_bt = jax.ShapeDtypeStruct(prompt_shape, jnp.int32)
+  lengths_b = jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32)
+  rng = jax.eval_shape(jax.random.key, 0)
+  if mesh is not None:
+    int_scalar, rng = placed((int_scalar, rng), mesh.replicated())
+    prompt_bt, lengths_b = placed((prompt_bt, lengths_b), mesh.rows())
   if prefill_key not in _COMPILED:  # shared by every tree shape and attention impl
-    lowered = prefill.lower(
-        *params, jax.ShapeDtypeStruct(prompt_shape, jnp.int32),
-        jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32), int_scalar,
-        jax.eval_shape(jax.random.key, 0), capacity=capacity, **prefill_statics)
-    _COMPILED[prefill_key] = (lowered.compile(), lowered.out_info)
+    compiled = prefill.lower(*params, prompt_bt, lengths_b, int_scalar, rng, capacity=capacity,
+                             **prefill_statics).compile()
+    state = compiled.out_info
+    if mesh is not None:
+      state = placed(state, compiled.output_shardings)
+    _COMPILED[prefill_key] = (compiled, state)
   prefill_fn, state_shapes = _COMPILED[prefill_key]
   if key not in _COMPILED:
     _COMPILED[key] = decode.lower(*params, state_shapes, int_scalar, **statics).compile()
@@ -259,12 +279,14 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
                     cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
                     impl: str = "xla",
                     on_tokens: Callable[[list[list[int]]], None] | None = None,
-                    stream_every: int = 4) -> SpeculativeGeneration:
+                    stream_every: int = 4,
+                    mesh: DecodeMesh | None = None) -> SpeculativeGeneration:
   """Speculative decoding of a batch of prompts with any drafter (see `drafters.Drafter`).
 
   With `on_tokens`, the host regains control every `stream_every` rounds and is given
   the tokens so far (streaming); otherwise one jitted loop runs to the end. Both give
-  the same tokens.
+  the same tokens. With `mesh`, `target_params` must be placed as `mesh.param_shardings`
+  says; the drafter's params are replicated over it here.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -274,8 +296,13 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
     cache_size = default_cache_size(config, prompts, max_new_tokens)
   stop = stop_tokens_for(config, stop_tokens)
   prompt_bt, prompt_lengths_b = pad_prompts(prompts, cache_size)
+  if mesh is not None:
+    if len(prompts) % mesh.size("data"):
+      raise InputError(f"{len(prompts)} prompts do not split over the mesh's "
+                       f"{mesh.size('data')} data-parallel rows")
+    drafter_params = jax.device_put(drafter_params, mesh.replicated())
   statics = dict(config=config, drafter=drafter, tree_shape=tree_shape, sampler=sampler,
-                 stop_tokens=stop, impl=impl)
+                 stop_tokens=stop, impl=impl, mesh=mesh)
 
   start = time.perf_counter()
   prefill_fn, decode_fn = _compiled(target_params, drafter_params, prompt_bt.shape, statics,
@@ -304,21 +331,24 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
                          attention: str = "xla", cache_size: int | None = None,
                          stop_tokens: Sequence[int] | None = None,
                          on_tokens: Callable[[list[list[int]]], None] | None = None,
-                         warn: Callable[[str], None] = print) -> SpeculativeGeneration:
+                         warn: Callable[[str], None] = print,
+                         mesh: DecodeMesh | None = None) -> SpeculativeGeneration:
   """Decodes `prompts` (lists of token ids) with `method` in `METHODS`.
 
   `dflash` drafts the chain of per-depth top-1 tokens; `ddtree` and `jetflow` the exact
   top-`budget` tree over per-depth top-`top_k` candidates; `ar` is plain decoding (no head).
   The head's mask flag comes from its config: naming `jetflow` with a bidirectional head,
   or `dflash`/`ddtree` with a causal one, calls `warn` once and runs (an ablation).
+  With `mesh` (a `DecodeMesh`), `target_params` must sit where `mesh.param_shardings` says
+  (`load_qwen3(path, shardings=mesh.param_shardings)` loads them there).
   """
   if method not in METHODS:
     raise InputError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-  if attention not in ("xla", "pallas"):
-    raise InputError(f"attention must be xla or pallas (got {attention!r})")
+  if attention not in ("xla", "pallas", "pallas_tpu"):
+    raise InputError(f"attention must be xla, pallas or pallas_tpu (got {attention!r})")
   if method == "ar":
     return _autoregressive(target_params, target_config, prompts, max_new_tokens, sampler, seed,
-                           cache_size, stop_tokens, on_tokens)
+                           cache_size, stop_tokens, on_tokens, mesh)
   if head_config is None or head_params is None:
     raise InputError(f"method {method!r} needs a draft head (--head); use --method ar without one")
   head_config.validate_for(target_config)
@@ -330,14 +360,16 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
   return run_speculative(target_params, target_config, drafter, head_params, prompts,
                          max_new_tokens, tree_shape=tree_shape_for(method, budget, top_k),
                          sampler=sampler, seed=seed, cache_size=cache_size,
-                         stop_tokens=stop_tokens, impl=attention, on_tokens=on_tokens)
+                         stop_tokens=stop_tokens, impl=attention, on_tokens=on_tokens,
+                         mesh=mesh)
 
 
 def _autoregressive(target_params, config, prompts, max_new_tokens, sampler, seed, cache_size,
-                    stop_tokens, on_tokens) -> SpeculativeGeneration:
+                    stop_tokens, on_tokens, mesh) -> SpeculativeGeneration:
   """Plain decoding (`generate.generate`) reported like a speculative run: one token a forward."""
   result = generate(target_params, config, prompts, max_new_tokens, sampler=sampler, seed=seed,
-                    cache_size=cache_size, stop_tokens=stop_tokens, on_tokens=on_tokens)
+                    cache_size=cache_size, stop_tokens=stop_tokens, on_tokens=on_tokens,
+                    mesh=mesh)
   stop = stop_tokens_for(config, stop_tokens)
   return SpeculativeGeneration(
       tokens=result.tokens, committed_per_round=[[1] * (len(t) - 1) for t in result.tokens],

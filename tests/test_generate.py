@@ -100,13 +100,13 @@ def test_streaming_yields_the_same_tokens(make_checkpoint, rng):
 
 def test_data_parallel_generate_equals_one_device(make_checkpoint, rng):
   """Rows split over a mesh of 4 devices, a copy of the target on each: the same tokens."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jetflow_jax.mesh import DecodeMesh
   directory, _ = make_checkpoint()
   config, params = jetflow_jax.load_qwen3(directory)
-  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
-  copies = jax.device_put(params, NamedSharding(mesh, P()))
+  mesh = DecodeMesh.create(data=4)
+  copies = jax.device_put(params, mesh.param_shardings(config, params))
   prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7, 3, 12, 5)]
   want = generate(params, config, prompts, 10, sampler=Greedy()).tokens
   assert generate(copies, config, prompts, 10, sampler=Greedy(), mesh=mesh).tokens == want
-  with pytest.raises(jetflow_jax.InputError, match="3 prompts do not split over the mesh's 4"):
+  with pytest.raises(jetflow_jax.InputError, match="3 prompts do not split over the mesh's 4 data-parallel rows"):
     generate(copies, config, prompts[:3], 10, mesh=mesh)

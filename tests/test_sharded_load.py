@@ -13,7 +13,7 @@ from jetflow_jax.train.sharding import make_mesh, param_sharding
 
 
 def by_largest_axis(mesh):
-  return lambda abstract: param_sharding(mesh, abstract)
+  return lambda config, abstract: param_sharding(mesh, abstract)
 
 
 def by_last_axis(mesh):
@@ -23,7 +23,7 @@ def by_last_axis(mesh):
     if leaf.ndim and leaf.shape[-1] % mesh.shape["fsdp"] == 0:
       axes[-1] = "fsdp"
     return NamedSharding(mesh, P(*axes))
-  return lambda abstract: jax.tree.map(spec, abstract)
+  return lambda config, abstract: jax.tree.map(spec, abstract)
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -44,7 +44,7 @@ def test_sharded_load_equals_plain_load_and_reads_only_its_blocks(make_checkpoin
   shardings = (by_largest_axis if layout == "largest_axis" else by_last_axis)(mesh)
   _, got = jetflow_jax.load_qwen3(directory, shardings=shardings)
 
-  placements = shardings(jax.eval_shape(lambda: want))
+  placements = shardings(None, jax.eval_shape(lambda: want))
   jax.tree.map(lambda g, s: (g.sharding == s) or pytest.fail(f"{g.sharding} != {s}"), got,
                placements)
   jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got, want)

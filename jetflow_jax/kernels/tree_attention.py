@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from jetflow_jax.attention import finish_softmax, fold_cache_blocks, merge_scores
+from jetflow_jax.errors import InputError
 from jetflow_jax.kernels.tree_attention_pallas import tree_attention_pallas
 from jetflow_jax.kernels.tree_attention_tpu import tree_attention_tpu
 
@@ -28,32 +30,32 @@ def pallas_impl(backend: str) -> TreeAttentionImpl:
   raise ValueError(f"no Pallas tree attention kernel for backend {backend!r}")
 
 
+def attention_for_backend(name: str, backend: str) -> TreeAttentionImpl:
+  """`--attention xla|pallas` on `backend`: pallas means the backend's kernel, interpreted on
+  CPU; a backend without one is refused by name."""
+  if name != "pallas" or backend == "cpu":
+    return name
+  try:
+    return pallas_impl(backend)
+  except ValueError:
+    raise InputError(f"--attention pallas: no Pallas tree kernel for the {backend!r} backend "
+                     "(GPU: Triton, TPU: Mosaic); use --attention xla") from None
+
+
 def tree_attention_xla(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
                        cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
                        new_mask_btt: jax.Array) -> jax.Array:
-  """Einsum reference for `tree_attention`; GQA by viewing q as [B, T, K, G, H]."""
+  """XLA `tree_attention`: the cache in blocks up to the longest row's length (so a verify costs
+  what the rows hold, whatever the buffer's size), then the new rows; GQA by viewing q as
+  [B, T, K, G, H]."""
   b, t, n, h = q_btnh.shape
-  s, k = k_cache_bskh.shape[1], k_cache_bskh.shape[2]
+  k = k_cache_bskh.shape[2]
   q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-  scale = 1.0 / math.sqrt(h)
-  scores = lambda keys_bskh: jnp.einsum("btkgh,bskh->bkgts", q_btkgh, keys_bskh,
-                                        preferred_element_type=jnp.float32) * scale
-  valid_bs = jnp.arange(s)[None, :] < cache_len_b[:, None]
-  s_cache_bkgts = jnp.where(valid_bs[:, None, None, None, :], scores(k_cache_bskh), -jnp.inf)
-  s_new_bkgtj = jnp.where(new_mask_btt[:, None, None], scores(k_new_btkh), -jnp.inf)
-
-  m_bkgt = jnp.maximum(s_cache_bkgts.max(axis=-1), s_new_bkgtj.max(axis=-1))
-  # A row that may read nothing would give -inf - -inf; it gets zeros, like the kernel.
-  m_bkgt = jnp.where(jnp.isfinite(m_bkgt), m_bkgt, 0.0)[..., None]
-  p_cache_bkgts = jnp.exp(s_cache_bkgts - m_bkgt)
-  p_new_bkgtj = jnp.exp(s_new_bkgtj - m_bkgt)
-  l_bkgt = p_cache_bkgts.sum(axis=-1) + p_new_bkgtj.sum(axis=-1)
-  # Probabilities drop to the value dtype (as in flash attention); products sum in float32.
-  mix = lambda p, values_bskh: jnp.einsum("bkgts,bskh->btkgh", p.astype(values_bskh.dtype),
-                                          values_bskh, preferred_element_type=jnp.float32)
-  o_btkgh = mix(p_cache_bkgts, v_cache_bskh) + mix(p_new_bkgtj, v_new_btkh)
-  l_btkg = jnp.where(l_bkgt > 0.0, l_bkgt, 1.0).transpose(0, 3, 1, 2)
-  return (o_btkgh / l_btkg[..., None]).reshape(b, t, n, h).astype(q_btnh.dtype)
+  carry = fold_cache_blocks(q_btkgh, k_cache_bskh, v_cache_bskh, cache_len_b)
+  s_bkgtj = jnp.einsum("btkgh,bjkh->bkgtj", q_btkgh, k_new_btkh,
+                       preferred_element_type=jnp.float32) / math.sqrt(h)
+  s_bkgtj = jnp.where(new_mask_btt[:, None, None], s_bkgtj, -jnp.inf)
+  return finish_softmax(merge_scores(carry, s_bkgtj, v_new_btkh), q_btnh.dtype)
 
 
 def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax.Array,
@@ -69,6 +71,7 @@ def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax
   mask `[B, T, T]` (query t reads new row j where True). Query head n uses kv head n // (N / K).
   Cache slots at or past cache_len are ignored: any finite values for the XLA path (it multiplies
   them by zero probabilities), even NaN/inf for the kernels (they mask them before any product).
+  Every path reads the cache only up to the longest row's length.
   A row allowed no key at all (cache_len 0 and an empty mask row) returns zeros. `impl` "pallas" is
   the Triton (GPU) kernel, "pallas_tpu" the Mosaic (TPU) one (see `pallas_impl`); the keyword
   arguments after `impl` tune them only: block_kv both (None: each kernel's default, see

@@ -149,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return {"step": latest_step, "past_total_steps": total_steps}
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
-  _, target_params = setup.load_target(config, lambda tree: param_sharding(mesh, tree))
+  _, target_params = setup.load_target(config, lambda _, tree: param_sharding(mesh, tree))
   state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
                      opt_state=optimizer.init(head_params))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.

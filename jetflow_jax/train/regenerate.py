@@ -21,15 +21,14 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 import tqdm
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jetflow_jax import cli
 from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
+from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.sampling import Sampler
 from jetflow_jax.train.data import prompt_ids, record_id
 from jetflow_jax.train.store import ShardWriter
@@ -40,14 +39,9 @@ BACKENDS = ("jax", "torch")
 BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def local_mesh() -> Mesh:
+def local_mesh() -> DecodeMesh:
   """This process's devices as one data-parallel axis (a copy of the target on each)."""
-  return Mesh(np.array(jax.local_devices()), ("data",))
-
-
-def replicated(mesh: Mesh) -> Callable:
-  """`shardings` for `load_qwen3`: every leaf whole on every device of `mesh`."""
-  return lambda abstract: jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+  return DecodeMesh.create(data=len(jax.local_devices()), devices=jax.local_devices())
 
 
 def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
@@ -70,10 +64,10 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 
 
 def jax_generator(target_params, target_config: Qwen3Config, max_new_tokens: int,
-                  sampler: Sampler, mesh: Mesh | None = None) -> BatchGenerator:
+                  sampler: Sampler, mesh: DecodeMesh | None = None) -> BatchGenerator:
   """Our jitted decode loop, its cache sized to each batch; with `mesh` (a local mesh whose
   devices each hold the whole target), the batch is split over its devices."""
-  ways = 1 if mesh is None else mesh.size
+  ways = 1 if mesh is None else mesh.size("data")
   widest = 0
 
   def generate_batch(prompts, seed):
@@ -209,7 +203,7 @@ def main(argv) -> None:
           torch.set_num_threads(f.threads)
         return torch_generator(f.target, f.max_new_tokens, f.temperature)
       mesh = local_mesh()
-      config, params = load_qwen3(f.target, dtype, replicated(mesh))
+      config, params = load_qwen3(f.target, dtype, mesh.param_shardings)
       return jax_generator(params, config, f.max_new_tokens, make_sampler(f.temperature), mesh)
 
     count = regenerate(records, f.out, make_generator, tokenizer=tokenizer,

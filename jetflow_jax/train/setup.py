@@ -20,7 +20,7 @@ from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.sampling import make_sampler
 from jetflow_jax.train.data import read_jsonl
 from jetflow_jax.train.regenerate import (BACKENDS, jax_generator, local_mesh, regenerate,
-                                          replicated, tokenizer_if_needed, torch_generator)
+                                          tokenizer_if_needed, torch_generator)
 from jetflow_jax.train.store import TokenStore, convert_jsonl, converted_from, is_store
 
 STORE_SUBDIR = "store"  # the workdir's token store (regenerated or converted)
@@ -37,14 +37,15 @@ def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
 
 
 def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
-  """The frozen target; `shardings` (abstract params -> shardings) places it as it loads, each
-  process reading only the slices of its own devices."""
+  """The frozen target; `shardings` ((config, abstract params) -> shardings) places it as it
+  loads, each process reading only the slices of its own devices."""
   dtype = cli.parse_dtype(config.target.dtype)
   if config.target.checkpoint:
     return load_qwen3(config.target.checkpoint, dtype, shardings)
   model_config = target_config(config)
   init = functools.partial(init_params.__wrapped__, model_config, dtype=dtype)
-  out_shardings = None if shardings is None else shardings(abstract_params(model_config, dtype))
+  out_shardings = (None if shardings is None
+                   else shardings(model_config, abstract_params(model_config, dtype)))
   params = jax.jit(init, out_shardings=out_shardings)(jax.random.key(config.target.random_seed))
   # A freshly initialised LM predicts a near-uniform next token over its whole vocabulary;
   # trained LMs are peaked. Sharpening the LM head makes the random target behave like one,
@@ -161,7 +162,7 @@ def regenerate_prompts(config: ml_collections.ConfigDict, store_dir: str) -> Non
       return torch_generator(config.target.checkpoint, d.max_new_tokens,
                              d.regenerate_temperature)
     mesh = local_mesh()
-    target, params = load_target(config, replicated(mesh))
+    target, params = load_target(config, mesh.param_shardings)
     return jax_generator(params, target, d.max_new_tokens, make_sampler(d.regenerate_temperature),
                          mesh)
 

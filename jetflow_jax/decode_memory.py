@@ -1,0 +1,157 @@
+"""Per-device memory of decoding (prefill, then speculative rounds) for a model and a mesh,
+compiled ahead of time on abstract shapes: no weights, fake CPU devices for the mesh.
+
+  python decode.py --memory_report --config configs/qwen3_235b_a22b.py --mesh tp=4,ep=2 \
+      --batch-size 8 --budget 256 --cache-size 8192 [--json]
+
+The target's architecture and the head's come from a training config file (its
+`target.shape`, or `target.checkpoint`'s config.json when set); `--checkpoint DIR` reads
+a checkpoint's config.json instead. The prompt fills the context up to one round's room.
+XLA's CPU backend upcasts bfloat16 matmul operands to float32, so a CPU report holds
+temporaries a GPU or TPU would not: read the temporaries as an upper bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax import cli
+from jetflow_jax.config import load_config
+from jetflow_jax.drafters import HeadDrafter
+from jetflow_jax.errors import InputError
+from jetflow_jax.generate import placed
+from jetflow_jax.head_checkpoint import abstract_head_params
+from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.model import abstract_params
+from jetflow_jax.sampling import Greedy
+from jetflow_jax import speculative
+
+GIB = 2**30
+
+
+def load_config_file(spec: str):
+  """`path.py[:arg]` -> its `get_config(arg)` (an ml_collections training config)."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise InputError(f"--config file not found: {path}")
+  module_spec = importlib.util.spec_from_file_location("decode_memory_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def _shard_bytes(tree) -> int:
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, budget: int,
+                  top_k: int, context: int, dtype_name: str = "bfloat16",
+                  checkpoint: str | None = None) -> dict:
+  """Compiles prefill and the decode loop for this layout; returns per-device bytes."""
+  from jetflow_jax.train import memory_report as train_report  # fake devices, shape sources
+  from jetflow_jax.train import setup
+  config = load_config_file(config_spec)
+  if checkpoint:
+    config.unlock().target.checkpoint = checkpoint
+  count = math.prod(mesh_sizes.values()) if mesh_sizes else 1
+  train_report.use_host_devices(count)
+  target, source = train_report.target_config(config)
+  if checkpoint:
+    target = load_config(os.path.expanduser(checkpoint))
+  head = setup.head_config(config, target)
+  mesh = DecodeMesh.create(**mesh_sizes)
+  mesh.check(target)
+  dtype = cli.parse_dtype(dtype_name)
+  if batch % mesh.size("data"):
+    raise InputError(f"--batch-size {batch} does not split over data={mesh.size('data')}")
+  if context <= head.block_size + 1:
+    raise InputError(f"--cache-size {context} leaves no room for a prompt")
+
+  target_params = abstract_params(target, dtype)
+  target_params = placed(target_params, mesh.param_shardings(target, target_params))
+  head_params = placed(abstract_head_params(head, dtype), mesh.replicated())
+  prompt_len = context - head.block_size  # the prompt fills the context up to one round's room
+  drafter = HeadDrafter(head, dtype, "xla")
+  statics = dict(config=target, drafter=drafter,
+                 tree_shape=speculative.tree_shape_for("jetflow", budget, top_k),
+                 sampler=Greedy(), stop_tokens=tuple(target.eos_token_ids), impl="xla",
+                 mesh=mesh)
+  start = time.perf_counter()
+  prefill, decode = speculative._compiled(target_params, head_params, (batch, prompt_len),
+                                          statics, context)
+  seconds = time.perf_counter() - start
+
+  def analysis(compiled):
+    stats = compiled.memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+            "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
+            "total": total}
+
+  slots = context + head.depth + 1
+  kv_axis = mesh.kv_heads_axis(target)
+  kv_heads = target.num_key_value_heads // (mesh.size("tp") if kv_axis else 1)
+  per_row = 2 * target.num_hidden_layers * slots * kv_heads * target.head_dim
+  head_per_row = 2 * head.num_layers * slots * head.num_key_value_heads * head.head_dim
+  rows = batch // mesh.size("data")
+  itemsize = jnp.dtype(dtype).itemsize
+  return {
+      "mesh": {axis: mesh.size(axis) for axis in ("data", "tp", "ep")},
+      "num_devices": mesh.mesh.size, "platform": jax.devices()[0].platform,
+      "target": {"source": source if not checkpoint else "config.json",
+                 "layers": target.num_hidden_layers, "hidden_size": target.hidden_size,
+                 "num_experts": target.num_experts, "kv_heads": target.num_key_value_heads,
+                 "dtype": jnp.dtype(dtype).name},
+      "head": {"layers": head.num_layers, "block_size": head.block_size},
+      "batch": batch, "budget": budget, "top_k": top_k, "context": context,
+      "prompt_len": prompt_len, "compile_seconds": round(seconds, 1),
+      "per_device_bytes": {
+          "target weights": _shard_bytes(target_params),
+          "head weights": _shard_bytes(head_params),
+          "target KV cache": rows * per_row * itemsize,
+          "head context cache": rows * head_per_row * itemsize,
+          "prefill": analysis(prefill),
+          "decode loop (rounds)": analysis(decode)},
+      "kv_cache_split_over_tp": kv_axis is not None,
+  }
+
+
+def format_report(report: dict) -> str:
+  r, m = report, report["per_device_bytes"]
+  size = lambda n: f"{n / GIB:8.2f} GiB"
+  target = r["target"]
+  experts = f", {target['num_experts']} experts" if target["num_experts"] else ""
+  lines = [
+      f"target: {target['layers']} layers, hidden {target['hidden_size']}{experts}, "
+      f"{target['kv_heads']} kv heads, {target['dtype']} (from {target['source']}); head: "
+      f"{r['head']['layers']} layers, block {r['head']['block_size']}",
+      f"mesh {r['mesh']} on {r['num_devices']} {r['platform']} devices; batch {r['batch']}, "
+      f"budget {r['budget']} (top-k {r['top_k']}), context {r['context']} (prompt "
+      f"{r['prompt_len']}); compiled in {r['compile_seconds']:.1f} s",
+      "", "Per device:",
+      f"  target weights      {size(m['target weights'])}",
+      f"  head weights        {size(m['head weights'])}  (replicated)",
+      f"  target KV cache     {size(m['target KV cache'])}  "
+      f"({'split over tp' if r['kv_cache_split_over_tp'] else 'replicated over tp'})",
+      f"  head context cache  {size(m['head context cache'])}",
+  ]
+  for phase in ("prefill", "decode loop (rounds)"):
+    a = m[phase]
+    lines.append(f"  {phase + ':':<20}{size(a['total'])}  (arguments {size(a['arguments']).strip()}"
+                 f", temporaries {size(a['temporaries']).strip()}, outputs not aliased "
+                 f"{size(a['outputs'] - a['aliased']).strip()})")
+  peak = max(m["prefill"]["total"], m["decode loop (rounds)"]["total"])
+  lines += ["", f"  peak {size(peak).strip()} per device: "
+            f"{'fits' if peak <= 80 * GIB else 'does not fit'} an 80 GiB device"]
+  if r["platform"] == "cpu" and target["dtype"] == "bfloat16":
+    lines.append("  (XLA on CPU upcasts bfloat16 matmul operands to float32: its temporaries "
+                 "are an upper bound for a GPU or TPU)")
+  return "\n".join(lines)

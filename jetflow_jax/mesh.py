@@ -1,0 +1,139 @@
+"""Decoding over a device mesh: rows data-parallel, the target tensor- and expert-parallel.
+
+Mesh axes (any may be 1):
+- `data`: rows of the batch, each device group holding a whole copy of the target;
+- `tp`: attention heads, MLP columns/rows and the vocabulary (embedding and LM head);
+- `ep`: the experts of MoE layers (their MLP width also splits over `tp`).
+
+The KV cache splits over its kv heads along `tp` (replicated there when the target has
+fewer kv heads than `tp`); the draft head and everything else in the decode state is
+replicated. One rules table maps each parameter to its `PartitionSpec`; XLA inserts the
+collectives, except in MoE layers, which run their experts per shard (`model.MoE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.errors import InputError
+
+AXES = ("data", "tp", "ep")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """`tp=4,ep=2` -> {"tp": 4, "ep": 2}; unknown axes and bad sizes are refused by name."""
+  sizes = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, _, value = part.partition("=")
+    if name not in AXES:
+      raise InputError(f"--mesh: unknown axis {name!r} in {text!r}; axes are {', '.join(AXES)}")
+    if not re.fullmatch(r"\d+", value) or int(value) < 1:
+      raise InputError(f"--mesh: {name}={value!r} must be a positive integer")
+    if name in sizes:
+      raise InputError(f"--mesh: axis {name} is given twice in {text!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMesh:
+  """A (data, tp, ep) mesh and where each part of decoding lives on it."""
+
+  mesh: Mesh
+
+  @classmethod
+  def create(cls, data: int = 1, tp: int = 1, ep: int = 1, devices=None) -> "DecodeMesh":
+    devices = list(jax.devices() if devices is None else devices)
+    need = data * tp * ep
+    if need > len(devices):
+      raise InputError(f"--mesh data={data} x tp={tp} x ep={ep} needs {need} devices; "
+                       f"{len(devices)} are available")
+    return cls(Mesh(np.array(devices[:need]).reshape(data, tp, ep), AXES))
+
+  def size(self, axis: str) -> int:
+    return self.mesh.shape[axis]
+
+  @property
+  def is_trivial(self) -> bool:
+    return self.mesh.size == 1
+
+  def check(self, config: Qwen3Config) -> None:
+    """Refuses a mesh the target cannot be split over, naming every reason."""
+    tp, ep = self.size("tp"), self.size("ep")
+    problems = []
+    counts = [("attention heads", config.num_attention_heads),
+              ("vocabulary entries", config.vocab_size)]
+    if not all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+      counts.append(("MLP columns", config.intermediate_size))
+    for what, count in counts:
+      if count % tp:
+        problems.append(f"tp={tp} does not divide the {count} {what}")
+    k = config.num_key_value_heads
+    if k % tp and tp % k:
+      problems.append(f"tp={tp} neither divides nor is a multiple of the {k} kv heads")
+    if ep > 1 and not config.is_moe:
+      problems.append(f"ep={ep} needs an MoE target (this one is dense)")
+    if config.is_moe:
+      if config.num_experts % ep:
+        problems.append(f"ep={ep} does not divide the {config.num_experts} experts")
+      if config.moe_intermediate_size % tp:
+        problems.append(f"tp={tp} does not divide the experts' {config.moe_intermediate_size} "
+                        "MLP columns")
+    if problems:
+      raise InputError("--mesh does not fit the target: " + "; ".join(problems))
+
+  def kv_heads_axis(self, config: Qwen3Config) -> str | None:
+    """`tp` when the kv heads split over it, None when each device keeps all of them."""
+    return "tp" if config.num_key_value_heads % self.size("tp") == 0 else None
+
+  def param_specs(self, config: Qwen3Config, params) -> dict:
+    """A `PartitionSpec` for every leaf of the target's params."""
+    kv = self.kv_heads_axis(config)
+
+    def spec(path, leaf):
+      names = [getattr(key, "key", str(key)) for key in path]
+      name = "/".join(names)
+      if names[-1] == "scale":  # every RMSNorm
+        return P()
+      if name == "embed_tokens/embedding":
+        return P("tp", None)
+      if name == "lm_head/kernel":
+        return P(None, "tp")
+      if names[-2] == "q_proj":
+        return P(None, "tp", None)
+      if names[-2] in ("k_proj", "v_proj"):
+        return P(None, kv, None)
+      if names[-2] == "o_proj":
+        return P("tp", None, None)
+      if names[-2] == "experts":  # [E, D, F] or [E, F, D]
+        return P("ep", None, "tp") if names[-1] != "down_proj" else P("ep", "tp", None)
+      if names[-2] == "gate" and names[-3] == "mlp":  # the router
+        return P()
+      if names[-2] in ("gate_proj", "up_proj"):
+        return P(None, "tp")
+      if names[-2] == "down_proj":
+        return P("tp", None)
+      raise ValueError(f"no sharding rule for target parameter {name} {leaf.shape}")
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+  def param_shardings(self, config: Qwen3Config, params):
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs(config, params),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def cache_sharding(self, config: Qwen3Config) -> NamedSharding:
+    """Where a `[B, S, K, H]` KV cache buffer lives."""
+    return NamedSharding(self.mesh, P("data", None, self.kv_heads_axis(config), None))
+
+  def rows(self) -> NamedSharding:
+    """Arrays whose leading axis is the batch."""
+    return NamedSharding(self.mesh, P("data"))
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
