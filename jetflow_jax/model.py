@@ -208,48 +208,52 @@ def _blocked_experts(weights, x_btd, experts_btk, weights_btk, num_experts: int,
                      skipped_expert: int | None = None):
   """Expert outputs summed per token; `weights` is (gate [E, D, F], up [E, D, F], down [E, F, D]).
 
-  Pairs routed to `skipped_expert` (an id past the weights: another shard's experts) get
-  blocks of their own that are never computed and contribute zero.
+  A loop over blocks gathers each block's token rows, runs its expert and adds the weighted
+  outputs back into the tokens, so nothing wider than one block of every row is ever held
+  (no `[B, NB * C, D]` buffers). Pairs routed to `skipped_expert` (an id past the weights:
+  another shard's experts) get blocks of their own that are never computed.
   """
-  batch, length, d = x_btd.shape
+  batch, length, _ = x_btd.shape
   top_k = experts_btk.shape[-1]
-  token_of_pair = jnp.arange(length * top_k) // top_k
+  num_pairs = length * top_k
   rows_bp, block_experts_bn = jax.vmap(
       lambda e: expert_blocks(e.reshape(-1), num_experts, EXPERT_BLOCK))(experts_btk)
   num_blocks = block_experts_bn.shape[1]
-  scatter = jax.vmap(lambda rows, x: jnp.zeros((num_blocks * EXPERT_BLOCK, d), x.dtype)
-                     .at[rows].set(x[token_of_pair]))
-  blocks_bncd = scatter(rows_bp, x_btd).reshape(batch, num_blocks, EXPERT_BLOCK, d)
-  y_bncd = _expert_blocks_mlp(weights, blocks_bncd, block_experts_bn, skipped_expert)
-  y_bpd = jax.vmap(lambda y, rows: y[rows])(y_bncd.reshape(batch, -1, d), rows_bp)
-  y_bpd = y_bpd * weights_btk.reshape(batch, -1, 1)
-  return jnp.zeros_like(x_btd).at[:, token_of_pair].add(y_bpd.astype(x_btd.dtype))
+  # Which pair sits in each padded slot; `num_pairs` marks padding (token 0, weight 0).
+  pair_of_slot_bs = jax.vmap(
+      lambda rows: jnp.full((num_blocks * EXPERT_BLOCK,), num_pairs, jnp.int32)
+      .at[rows].set(jnp.arange(num_pairs, dtype=jnp.int32)))(rows_bp)
+  token_of_pair = jnp.append(jnp.arange(num_pairs, dtype=jnp.int32) // top_k, 0)
+  weight_of_pair_bp = jnp.concatenate(
+      [weights_btk.reshape(batch, -1), jnp.zeros((batch, 1), weights_btk.dtype)], axis=1)
+  batch_rows = jnp.arange(batch)[:, None]
 
-
-def _expert_blocks_mlp(weights, x_bncd, experts_bn, skipped_expert: int | None = None):
-  """Expert outputs `[B, NB, C, D]` for blocks of C rows, block (b, n) all of expert e[b, n]."""
-  dtype = x_bncd.dtype
-
-  def one_block(args):  # the n-th block of every row: one expert's weights per row
-    x_bcd, e_b = args
-    gate_bdf, up_bdf, down_bfd = (w[jnp.minimum(e_b, w.shape[0] - 1)].astype(dtype)
-                                  for w in weights)
-    hidden_bcf = (nn.silu(jnp.einsum("bcd,bdf->bcf", x_bcd, gate_bdf))
-                  * jnp.einsum("bcd,bdf->bcf", x_bcd, up_bdf))
-    return jnp.einsum("bcf,bfd->bcd", hidden_bcf, down_bfd)
-
-  def maybe_block(args):
-    x_bcd, e_b = args
+  def add_block(n, out_btd):
+    pairs_bc = jax.lax.dynamic_slice_in_dim(pair_of_slot_bs, n * EXPERT_BLOCK, EXPERT_BLOCK,
+                                            axis=1)
+    tokens_bc = token_of_pair[pairs_bc]
+    experts_b = block_experts_bn[:, n]
+    run = lambda: _expert_mlp(weights, x_btd[batch_rows, tokens_bc], experts_b)
     if skipped_expert is None:
-      return one_block(args)
-    # Another shard's pairs: skipped (every row of a block shares its fate only per row, so
-    # the block runs when any row needs it and the skipped rows are zeroed).
-    y_bcd = jax.lax.cond(jnp.all(e_b == skipped_expert), lambda a: jnp.zeros_like(a[0]),
-                         one_block, args)
-    return jnp.where((e_b == skipped_expert)[:, None, None], 0.0, y_bcd).astype(dtype)
+      y_bcd = run()
+    else:  # a block runs when any row's block belongs to this shard
+      y_bcd = jax.lax.cond(jnp.all(experts_b == skipped_expert),
+                           lambda: jnp.zeros(tokens_bc.shape + x_btd.shape[-1:], x_btd.dtype),
+                           run)
+    weighted_bcd = y_bcd * jnp.take_along_axis(weight_of_pair_bp, pairs_bc, axis=1)[..., None]
+    return out_btd.at[batch_rows, tokens_bc].add(weighted_bcd.astype(out_btd.dtype))
 
-  y_nbcd = jax.lax.map(maybe_block, (x_bncd.swapaxes(0, 1), experts_bn.T))
-  return y_nbcd.swapaxes(0, 1)
+  return jax.lax.fori_loop(0, num_blocks, add_block, jnp.zeros_like(x_btd))
+
+
+def _expert_mlp(weights, x_bcd, experts_b):
+  """SwiGLU of C rows per batch row through that row's expert (ids past the weights clamp:
+  their rows carry weight zero)."""
+  gate_bdf, up_bdf, down_bfd = (w[jnp.minimum(experts_b, w.shape[0] - 1)].astype(x_bcd.dtype)
+                                for w in weights)
+  hidden_bcf = (nn.silu(jnp.einsum("bcd,bdf->bcf", x_bcd, gate_bdf))
+                * jnp.einsum("bcd,bdf->bcf", x_bcd, up_bdf))
+  return jnp.einsum("bcf,bfd->bcd", hidden_bcf, down_bfd)
 
 
 def _expert_parallel(mesh: Mesh, weights, x_btd, experts_btk, weights_btk):
