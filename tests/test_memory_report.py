@@ -1,8 +1,12 @@
-"""train.py --memory_report: the step compiled on abstract shapes over a 2-device fake mesh."""
+"""train.py --memory_report: the step compiled on abstract shapes over a 2-device fake mesh, and
+a job of 2 processes x 2 devices sized without its hosts."""
 
 import json
 
+import pytest
+
 from conftest import run_cli
+from jetflow_jax.errors import InputError
 from jetflow_jax.train import memory_report, setup
 
 # A small vocabulary keeps the compile to seconds; the mesh's 2 devices are fake CPU devices
@@ -41,6 +45,21 @@ def test_json_report_is_self_consistent():
   assert all(v > 0 for v in report["estimate_bytes"].values())
   text = memory_report.format_report(report)
   assert "temporaries" in text and "Largest buffers live at the peak" in text
+
+
+def test_a_job_of_several_hosts_is_sized_without_them():
+  done = run_cli(*report_args("--num_processes=2", "--devices_per_process=2",
+                              "--config.train.batch_size=4", "--json"), timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(done.stdout)
+  assert report["num_devices"] == 4 and report["mesh"] == {"data": 2, "fsdp": 2}
+  assert report["num_processes"] == 2 and report["batch_per_process"] == 2
+  assert "job: 2 processes x 2 devices, 2 rows of each batch per process; each fsdp group stays " \
+      "on one process" in memory_report.format_report(report)
+  with pytest.raises(InputError, match="not --coordinator_address or --process_id"):
+    memory_report.job_layout(2, 2, "127.0.0.1:1234", 0)
+  with pytest.raises(InputError, match="--num_processes and --devices_per_process go together"):
+    memory_report.job_layout(2, None)
 
 
 def test_bad_mesh_is_one_line():

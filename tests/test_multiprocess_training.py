@@ -9,6 +9,7 @@ references run in this process (pytest's 4 devices, the first 2 or all 4).
 import importlib.util
 import json
 import os
+import re
 import signal
 import time
 
@@ -69,8 +70,11 @@ def train_here(workdir, values, devices):
 
 
 def losses(workdir):
-  return {row["step"]: row["loss"] for row in map(json.loads, open(os.path.join(workdir,
-                                                                              "metrics.jsonl")))}
+  """Loss by step, each step logged once (process 0 alone writes metrics)."""
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  steps = [row["step"] for row in rows]
+  assert steps == sorted(set(steps)), steps
+  return {row["step"]: row["loss"] for row in rows}
 
 
 def assert_heads_equal(workdir_a, workdir_b, atol=1e-6):
@@ -131,8 +135,11 @@ def test_two_by_two_matches_one_by_four_and_restarts_after_a_killed_peer(tmp_pat
   # Stopped in a collective (gloo's error, then ours) or by JAX's heartbeat watch.
   assert ("usually means another process died" in two.output(0)
           or "another task died" in two.output(0)), two.output(0)[-3000:]
+  saved = max(int(name) for name in os.listdir(killed / "checkpoints") if name.isdigit())
   with job(cli_args(killed, values), 2, 2, str(tmp_path), "restarted") as two:
     assert two.wait(TIMEOUT) == [0, 0], two.output(0)[-3000:]
+  # Resumed from the last checkpoint (the progress bar starts there), not from scratch.
+  assert re.search(r"(\d+)/12 \[", two.output(0)).group(1) == str(saved), two.output(0)[-3000:]
   assert_heads_equal(killed, straight)
   assert losses(killed) == got
 
@@ -156,14 +163,18 @@ def test_bad_process_flags_and_layouts_are_refused(tmp_path, regenerated):
   with pytest.raises(ConfigError, match="must split evenly over the 4 processes"):
     check_batch(make_mesh(devices=jax.devices()), 6, num_processes=4)
 
-  # Every process refuses a batch that does not split over them, at once, writing nothing.
-  odd = cli_args(tmp_path / "odd", settings(regenerated, **{"train.batch_size": 3}))
-  with job(odd, 2, 1, str(tmp_path), "odd") as two:
-    assert two.wait(120) == [2, 2]
-  for p in range(2):
-    assert "error: train.batch_size=3 (the global batch) must split evenly over the 2 processes" \
-        in two.output(p) and "Traceback" not in two.output(p)
-  assert not os.path.exists(tmp_path / "odd")
+  # Every process refuses, at once and writing nothing, a batch that does not split over them
+  # and a mesh that does not divide their devices.
+  for name, extra, problem in (
+      ("odd", {"train.batch_size": 3},
+       "train.batch_size=3 (the global batch) must split evenly over the 2 processes"),
+      ("mesh", {"mesh.fsdp": 3}, "mesh.fsdp=3 must divide the 2 devices of 2 processes")):
+    with job(cli_args(tmp_path / name, settings(regenerated, **extra)), 2, 1, str(tmp_path),
+             name) as two:
+      assert two.wait(120) == [2, 2]
+    for p in range(2):
+      assert f"error: {problem}" in two.output(p) and "Traceback" not in two.output(p)
+    assert not os.path.exists(tmp_path / name)
 
 
 def test_each_process_regenerates_its_shard_on_all_its_devices(tmp_path, make_checkpoint):

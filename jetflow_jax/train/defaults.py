@@ -33,7 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.prompts = ""  # JSONL of prompts to regenerate with the target (resumable)
-  c.data.regenerated = ""  # regenerated JSONL; default WORKDIR/regenerated.jsonl
+  c.data.regenerated = ""  # a token store, or a regenerated JSONL; default WORKDIR/store
   c.data.tokenizer = ""  # default: the target checkpoint directory
   c.data.seq_len = 3072
   c.data.max_new_tokens = 2048

@@ -47,6 +47,13 @@ def is_store(path: str) -> bool:
   return os.path.isfile(os.path.join(path, STORE_FILE))
 
 
+def num_shards(directory: str) -> int | None:
+  """Shards of the store at `directory` (the process count that regenerated it), None if none."""
+  if not is_store(directory):
+    return None
+  return int(_read_json(os.path.join(directory, STORE_FILE)).get("num_shards", 0))
+
+
 def _write_json(path: str, value: dict) -> None:
   """Whole or not at all: written beside, then renamed over."""
   tmp = f"{path}.tmp{os.getpid()}"
