@@ -4,6 +4,8 @@
   python decode.py --checkpoint DIR --head HEAD_DIR --prompt "def f(x):" --budget 64 --compare-ar
   python decode.py --checkpoint DIR --prompt-ids 1,2,3 --json
   python decode.py --checkpoint DIR --head HEAD --prompt "..." --mesh tp=4,ep=2
+  # a mesh over several hosts: the same command on each, plus (unless SLURM, Open MPI or a TPU
+  # pod tells JAX) --coordinator_address=HOST:PORT --num_processes=N --process_id=I
   python decode.py --memory_report --config configs/qwen3_32b.py --mesh tp=2 --batch-size 8 \
       --budget 256 --cache-size 8192 [--json]
 """
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
 import jax
 
-from jetflow_jax import cli, embedded, hub
+from jetflow_jax import cli, distributed, embedded, hub
 from jetflow_jax.checkpoint import load_qwen3
 from jetflow_jax.config import load_config
 from jetflow_jax.kernels.tree_attention import attention_for_backend
@@ -64,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "interpreted on CPU)")
   parser.add_argument("--mesh", default="", help="devices to decode over, e.g. tp=4,ep=2 "
                       "(axes data, tp, ep; default: one device)")
+  parser.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process)")
+  parser.add_argument("--num_processes", type=int, help="processes in the job (multi-process)")
+  parser.add_argument("--process_id", type=int, help="this process's index (multi-process)")
   parser.add_argument("--memory_report", "--memory-report", action="store_true",
                       help="compile prefill and the rounds on abstract shapes for --config and "
                       "--mesh, print the per-device memory and exit")
@@ -116,6 +122,10 @@ def main(argv=None) -> None:
   def decode():
     if args.memory_report:
       return memory_report(args)
+    # Before anything touches a device; on one plain host this does nothing.
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    if not distributed.is_main_process():
+      sys.stdout = open(os.devnull, "w")  # process 0 speaks for the job
     if args.prompt is None and args.prompt_ids is None and args.prompts_file is None:
       raise InputError("give a prompt: --prompt, --prompt-ids or --prompts-file")
     if args.batch_size < 1:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 # "pallas" / "pallas_tpu" select the Triton / Mosaic kernel where one exists (read-only cache +
 # tree rows, see `jetflow_jax.kernels`); plain masked attention always runs through XLA.
 AttentionImpl = Literal["xla", "pallas", "pallas_tpu"]
-KV_BLOCK = 512  # cache slots per step of the length-bounded loops below
+KV_BLOCK = 128  # cache slots per step of the length-bounded loops below
 QUERY_BLOCK = 1024  # queries per step of a long (prefill) run
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import tempfile
 import time
 
 import jax
@@ -31,6 +32,7 @@ from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import abstract_params
 from jetflow_jax.sampling import Greedy
 from jetflow_jax import speculative
+from jetflow_jax.train import memory_report as train_report  # fake devices, buffer dumps
 
 GIB = 2**30
 
@@ -51,11 +53,28 @@ def _shard_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
+def analysis(compiled, dump_dir: str, module: str, bf16_arguments) -> dict:
+  """XLA's per-device bytes for one executable, and how much of its peak is float32 copies of
+  bfloat16 arguments (weights, caches): XLA's CPU backend upcasts bf16 dot operands, a GPU or
+  TPU does not, so `peak_without_cpu_copies` is the figure for those."""
+  stats = compiled.memory_analysis()
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  buffers = train_report.read_buffers(dump_dir, compiled.as_text(), bf16_arguments,
+                                      limit=10**9, module=module)
+  copies = sum(b["bytes"] for b in buffers["largest_buffers"] if b["f32_copy_of_bf16_param"])
+  return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+          "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
+          "total": total, "cpu_f32_copies_at_peak": copies,
+          "peak_without_cpu_copies": total - copies,
+          "largest_at_peak": [{k: b[k] for k in ("shape", "bytes", "op", "f32_copy_of_bf16_param")}
+                              for b in buffers["largest_buffers"][:6]]}
+
+
 def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, budget: int,
                   top_k: int, context: int, dtype_name: str = "bfloat16",
                   checkpoint: str | None = None) -> dict:
   """Compiles prefill and the decode loop for this layout; returns per-device bytes."""
-  from jetflow_jax.train import memory_report as train_report  # fake devices, shape sources
   from jetflow_jax.train import setup
   config = load_config_file(config_spec)
   if checkpoint:
@@ -84,17 +103,16 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
                  sampler=Greedy(), stop_tokens=tuple(target.eos_token_ids), impl="xla",
                  mesh=mesh)
   start = time.perf_counter()
-  prefill, decode = speculative._compiled(target_params, head_params, (batch, prompt_len),
-                                          statics, context)
-  seconds = time.perf_counter() - start
-
-  def analysis(compiled):
-    stats = compiled.memory_analysis()
-    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-    return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-            "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
-            "total": total}
+  with tempfile.TemporaryDirectory() as dump_dir:
+    options = (("xla_dump_to", dump_dir), ("xla_dump_hlo_as_text", True))
+    prefill, decode = speculative._compiled(target_params, head_params, (batch, prompt_len),
+                                            statics, context, compiler_options=options)
+    seconds = time.perf_counter() - start
+    # Every bf16 argument a CPU dot may upcast: the weights and the decode state's caches.
+    bf16_arguments = (target_params, head_params, prefill.out_info)
+    phases = {name: analysis(compiled, dump_dir, module, bf16_arguments)
+              for name, compiled, module in (("prefill", prefill, "jit_prefill"),
+                                             ("decode loop (rounds)", decode, "jit_decode"))}
 
   slots = context + head.depth + 1
   kv_axis = mesh.kv_heads_axis(target)
@@ -118,8 +136,7 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
           "head weights": _shard_bytes(head_params),
           "target KV cache": rows * per_row * itemsize,
           "head context cache": rows * head_per_row * itemsize,
-          "prefill": analysis(prefill),
-          "decode loop (rounds)": analysis(decode)},
+          **phases},
       "kv_cache_split_over_tp": kv_axis is not None,
   }
 
@@ -147,11 +164,18 @@ def format_report(report: dict) -> str:
     a = m[phase]
     lines.append(f"  {phase + ':':<20}{size(a['total'])}  (arguments {size(a['arguments']).strip()}"
                  f", temporaries {size(a['temporaries']).strip()}, outputs not aliased "
-                 f"{size(a['outputs'] - a['aliased']).strip()})")
-  peak = max(m["prefill"]["total"], m["decode loop (rounds)"]["total"])
+                 f"{size(a['outputs'] - a['aliased']).strip()}); without the CPU's f32 copies "
+                 f"of bf16 arguments {size(a['peak_without_cpu_copies']).strip()}")
+  peak = peak_bytes(report)
   lines += ["", f"  peak {size(peak).strip()} per device: "
             f"{'fits' if peak <= 80 * GIB else 'does not fit'} an 80 GiB device"]
   if r["platform"] == "cpu" and target["dtype"] == "bfloat16":
-    lines.append("  (XLA on CPU upcasts bfloat16 matmul operands to float32: its temporaries "
-                 "are an upper bound for a GPU or TPU)")
+    lines.append("  (XLA on CPU upcasts bfloat16 dot operands to float32, a GPU or TPU does not: "
+                 "the peak leaves out the float32 copies of bf16 weights and caches live at it)")
   return "\n".join(lines)
+
+
+def peak_bytes(report: dict) -> int:
+  """The larger phase's bytes per device, as a GPU or TPU would hold them."""
+  return max(report["per_device_bytes"][phase]["peak_without_cpu_copies"]
+             for phase in ("prefill", "decode loop (rounds)"))

@@ -18,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.distributed import to_host
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, abstract_params, forward, lm_logits, params_dtype
 from jetflow_jax.sampling import Greedy, Sampler
 
 MIN_BUCKET = 16
+# Prompt tokens per row forwarded at once: a longer prompt runs in chunks of this many, so
+# prefill activations stay bounded (batch x chunk rows) whatever the context length.
+PREFILL_CHUNK = 2048
 STREAM_INTERVAL_S = 0.1  # streamed text arrives at least this often once chunks have grown
 
 
@@ -67,18 +71,63 @@ def _append(state: DecodeState, new_b: jax.Array, stop_tokens) -> DecodeState:
   return state.replace(tokens_bs=tokens, lengths_b=lengths, done_b=done)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "sampler", "cache_size", "stop_tokens", "mesh"))
+def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b,
+                    cache_size: int, *, mesh: DecodeMesh | None = None,
+                    tap_layers: tuple[int, ...] = (), init_taps: Callable | None = None,
+                    commit_taps: Callable | None = None, chunk: int = PREFILL_CHUNK):
+  """The padded prompts through the target into a cache of `cache_size` slots.
+
+  Returns (cache, final hidden state at each row's last prompt token `[B, D]`, taps state).
+  With `tap_layers`, the taps of the prompt rows are folded into a state: `init_taps(taps)`
+  for the first rows, then `commit_taps(state, taps, start_b)` for each later chunk. A prompt
+  longer than `chunk` runs `chunk` tokens at a time (the last chunk what is left), each
+  attending to the cache written before it.
+  """
+  batch, length = prompt_bt.shape
+  rows = jnp.arange(batch)
+  target_mesh = None if mesh is None else mesh.mesh
+  sharding = None if mesh is None else mesh.cache_sharding(config)
+  if length <= chunk:  # one pass; the cache is built around the rows' own K/V
+    hidden_btd, prompt_kv, taps = forward(target_params, config, prompt_bt,
+                                          tap_layers=tap_layers, mesh=target_mesh)
+    return (KVCache.from_rows(prompt_kv, cache_size, sharding),
+            hidden_btd[rows, prompt_lengths_b - 1], init_taps(taps) if init_taps else None)
+
+  def run_chunk(start, size, carry):
+    """Forwards prompt tokens [start, start + size) after the cache's first `start` slots."""
+    cache, last_bd, state = carry
+    start_b = jnp.full((batch,), start, jnp.int32)
+    tokens_bt = jax.lax.dynamic_slice_in_dim(prompt_bt, start, size, axis=1)
+    hidden_btd, cache, taps = forward(target_params, config, tokens_bt, cache=cache,
+                                      cache_index_b=start_b, tap_layers=tap_layers,
+                                      mesh=target_mesh)
+    offset_b = prompt_lengths_b - 1 - start  # the row's last prompt token, if in this chunk
+    here_b = (offset_b >= 0) & (offset_b < size)
+    last_bd = jnp.where(here_b[:, None], hidden_btd[rows, jnp.clip(offset_b, 0, size - 1)],
+                        last_bd)
+    if tap_layers:
+      state = init_taps(taps) if state is None else commit_taps(state, taps, start_b)
+    return cache, last_bd, state
+
+  cache = KVCache.zeros(config, batch, cache_size, params_dtype(target_params))
+  if sharding is not None:
+    cache = jax.lax.with_sharding_constraint(cache, sharding)
+  carry = run_chunk(0, chunk, (cache, jnp.zeros((batch, config.hidden_size), cache.k[0].dtype),
+                               None))
+  full, rest = divmod(length, chunk)
+  carry = jax.lax.fori_loop(1, full, lambda i, c: run_chunk(i * chunk, chunk, c), carry)
+  return run_chunk(full * chunk, rest, carry) if rest else carry
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "cache_size", "stop_tokens",
+                                             "mesh", "chunk"))
 def prefill(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b, max_new_tokens,
             rng, *, sampler: Sampler, cache_size: int, stop_tokens: tuple[int, ...] = (),
-            mesh: DecodeMesh | None = None):
+            mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK):
   """Runs the padded prompts through the target and samples the first new token."""
   batch, prompt_len = prompt_bt.shape
-  hidden_btd, prompt_kv, _ = forward(target_params, config, prompt_bt,
-                                     mesh=None if mesh is None else mesh.mesh)
-  cache = KVCache.from_rows(prompt_kv, cache_size,
-                            None if mesh is None else mesh.cache_sharding(config))
-  last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
+  cache, last_bd, _ = prefill_forward(target_params, config, prompt_bt, prompt_lengths_b,
+                                      cache_size, mesh=mesh, chunk=chunk)
   rng, draw = jax.random.split(rng)
   first_b = sampler(draw, lm_logits(target_params, config, last_bd))
   tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :prompt_len].set(prompt_bt)
@@ -247,17 +296,24 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
   rng = jax.random.key(seed)
 
   start = time.perf_counter()
-  state = prefill_fn(target_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng)
+  state = prefill_fn(target_params, *placed_rows(mesh, prompt_bt, prompt_lengths_b),
+                     max_new_tokens, rng)
   state = run_loop(state, lambda s, steps: decode_fn(target_params, s, steps), max_new_tokens,
                    prompt_lengths_b, on_tokens, stream_every)
   tokens = new_tokens(state, prompt_lengths_b)
-  return Generation(tokens=tokens, num_forwards=int(state.num_forwards), compile_s=compile_s,
+  return Generation(tokens=tokens, num_forwards=int(to_host(state.num_forwards)),
+                    compile_s=compile_s,
                     wall_s=time.perf_counter() - start)
+
+
+def placed_rows(mesh: DecodeMesh | None, *rows_b):
+  """Per-row host arrays where the mesh splits rows (a no-op without one)."""
+  return rows_b if mesh is None else mesh.put(rows_b, mesh.rows())
 
 
 def new_tokens(state, prompt_lengths_b) -> list[list[int]]:
   """Each row's generated tokens from a state with `tokens_bs` and `lengths_b`."""
-  tokens, lengths = jax.device_get((state.tokens_bs, state.lengths_b))
+  tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
   return [tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)]
 
 
@@ -278,7 +334,7 @@ def run_loop(state, advance: Callable, max_steps: int, prompt_lengths_b, on_toke
   while True:
     snapshot = (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b), jnp.all(state.done_b))
     state = advance(state, steps)
-    tokens, lengths, all_done = jax.device_get(snapshot)
+    tokens, lengths, all_done = to_host(snapshot)
     on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
     if all_done:
       return state

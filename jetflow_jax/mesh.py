@@ -137,3 +137,14 @@ class DecodeMesh:
 
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
+
+  def put(self, tree, sharding: NamedSharding):
+    """Host values (the same on every process) onto the mesh, each process filling only its
+    own devices: works when the mesh spans several processes, where `device_put` does not."""
+    def put_leaf(x):
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put_leaf(jax.random.key_data(x)),
+                                        impl=jax.random.key_impl(x))
+      host = np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree.map(put_leaf, tree)

@@ -31,8 +31,10 @@ from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.drafters import Drafter, HeadDrafter
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import (default_cache_size, generate, is_stop, new_tokens, pad_prompts,
-                                  placed, run_loop, steps_until_done, stop_tokens_for)
+from jetflow_jax.generate import (PREFILL_CHUNK, default_cache_size, generate, is_stop,
+                                  new_tokens, pad_prompts, placed, placed_rows, prefill_forward,
+                                  run_loop, steps_until_done, stop_tokens_for)
+from jetflow_jax.distributed import to_host
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
@@ -145,20 +147,20 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "sampler", "stop_tokens",
-                                             "capacity", "mesh"))
+                                             "capacity", "mesh", "chunk"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens, rng, *,
             config: Qwen3Config, drafter: Drafter, sampler: Sampler,
             stop_tokens: tuple[int, ...], capacity: int,
-            mesh: DecodeMesh | None = None) -> SpecState:
+            mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> SpecState:
   """Target forward over the padded prompts; the first token; the drafter's initial state."""
   batch, prompt_len = prompt_bt.shape
   slots = capacity + drafter.depth + 1
-  hidden_btd, prompt_kv, taps_btld = forward(target_params, config, prompt_bt,
-                                             tap_layers=drafter.tap_layers,
-                                             mesh=None if mesh is None else mesh.mesh)
-  cache = KVCache.from_rows(prompt_kv, slots,
-                            None if mesh is None else mesh.cache_sharding(config))
-  last_bd = hidden_btd[jnp.arange(batch), prompt_lengths_b - 1]
+  cache, last_bd, drafter_state = prefill_forward(
+      target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
+      tap_layers=drafter.tap_layers, chunk=chunk,
+      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps, slots),
+      commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
+                                                              start_b))
   rng, draw = jax.random.split(rng)
   first_b = sampler(draw, lm_logits(target_params, config, last_bd))
   tokens_bs = jnp.zeros((batch, slots), jnp.int32).at[:, :prompt_len].set(prompt_bt)
@@ -168,8 +170,7 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_
   done_b = is_stop(first_b, stop_tokens) | (lengths_b >= max_lengths_b) | (lengths_b >= capacity)
   return SpecState(
       tokens_bs=tokens_bs, lengths_b=lengths_b, max_lengths_b=max_lengths_b, done_b=done_b,
-      cache=cache,
-      drafter_state=drafter.init_state(drafter_params, target_params, taps_btld, slots),
+      cache=cache, drafter_state=drafter_state,
       rng=rng, num_forwards=jnp.ones((), jnp.int32), rounds_b=jnp.zeros((batch,), jnp.int32),
       committed_br=jnp.zeros((batch, capacity), jnp.int32))
 
@@ -240,19 +241,22 @@ def _shapes(tree, keep_sharding: bool = False):
 _COMPILED: dict = {}
 
 
-def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capacity: int):
+def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capacity: int,
+              compiler_options: tuple[tuple[str, Any], ...] = ()):
   """Ahead-of-time compiled (prefill, decode) for one set of shapes; kept for reuse.
 
   With `statics["mesh"]`, the params are taken where they are (the caller placed them) and
-  the rows, scalars and decode state where the mesh puts them.
+  the rows, scalars and decode state where the mesh puts them. `compiler_options` (pairs)
+  go to XLA (the memory report asks for buffer dumps).
   """
   mesh = statics["mesh"]
   params = (_shapes(target_params, mesh is not None), _shapes(drafter_params, mesh is not None))
   key = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)),
-         prompt_shape, tuple(statics.items()), capacity)
+         prompt_shape, tuple(statics.items()), capacity, compiler_options)
+  options = dict(compiler_options) or None
   prefill_statics = {k: statics[k] for k in ("config", "drafter", "sampler", "stop_tokens",
                                              "mesh")}
-  prefill_key = key[:3] + (tuple(prefill_statics.items()), capacity)
+  prefill_key = key[:3] + (tuple(prefill_statics.items()), capacity, compiler_options)
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
   prompt_bt = jax.ShapeDtypeStruct(prompt_shape, jnp.int32)
   lengths_b = jax.ShapeDtypeStruct(prompt_shape[:1], jnp.int32)
@@ -262,14 +266,14 @@ def _compiled(target_params, drafter_params, prompt_shape, statics: dict, capaci
     prompt_bt, lengths_b = placed((prompt_bt, lengths_b), mesh.rows())
   if prefill_key not in _COMPILED:  # shared by every tree shape and attention impl
     compiled = prefill.lower(*params, prompt_bt, lengths_b, int_scalar, rng, capacity=capacity,
-                             **prefill_statics).compile()
+                             **prefill_statics).compile(options)
     state = compiled.out_info
     if mesh is not None:
       state = placed(state, compiled.output_shardings)
     _COMPILED[prefill_key] = (compiled, state)
   prefill_fn, state_shapes = _COMPILED[prefill_key]
   if key not in _COMPILED:
-    _COMPILED[key] = decode.lower(*params, state_shapes, int_scalar, **statics).compile()
+    _COMPILED[key] = decode.lower(*params, state_shapes, int_scalar, **statics).compile(options)
   return prefill_fn, _COMPILED[key]
 
 
@@ -300,7 +304,7 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
     if len(prompts) % mesh.size("data"):
       raise InputError(f"{len(prompts)} prompts do not split over the mesh's "
                        f"{mesh.size('data')} data-parallel rows")
-    drafter_params = jax.device_put(drafter_params, mesh.replicated())
+    drafter_params = mesh.put(drafter_params, mesh.replicated())
   statics = dict(config=config, drafter=drafter, tree_shape=tree_shape, sampler=sampler,
                  stop_tokens=stop, impl=impl, mesh=mesh)
 
@@ -310,18 +314,20 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
   compile_s = time.perf_counter() - start
 
   start = time.perf_counter()
-  state = prefill_fn(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_tokens,
+  state = prefill_fn(target_params, drafter_params,
+                     *placed_rows(mesh, prompt_bt, prompt_lengths_b), max_new_tokens,
                      jax.random.key(seed))
   state = run_loop(state, lambda s, rounds: decode_fn(target_params, drafter_params, s, rounds),
                    max_new_tokens, prompt_lengths_b, on_tokens, stream_every)
   tokens = new_tokens(state, prompt_lengths_b)
   wall_s = time.perf_counter() - start
-  rounds, committed = jax.device_get((state.rounds_b, state.committed_br))
+  rounds, committed, num_forwards = to_host((state.rounds_b, state.committed_br,
+                                             state.num_forwards))
   return SpeculativeGeneration(
       tokens=tokens, committed_per_round=[committed[b, :rounds[b]].tolist()
                                           for b in range(len(prompts))],
       stop_reasons=[stop_reason(t, max_new_tokens, stop) for t in tokens],
-      num_target_forwards=int(state.num_forwards), compile_s=compile_s, wall_s=wall_s)
+      num_target_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s)
 
 
 def speculative_generate(target_params, target_config: Qwen3Config, head_params,

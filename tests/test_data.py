@@ -13,7 +13,7 @@ from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.sampling import Greedy
 from jetflow_jax.train.data import StoreBatches, fill_row, prompt_ids, read_jsonl, to_row
 from jetflow_jax.train.packing import make_plan
-from jetflow_jax.train.regenerate import jax_generator, regenerate, torch_generator
+from jetflow_jax.train.regenerate import jax_generator, local_mesh, regenerate, torch_generator
 from jetflow_jax.train.store import ShardWriter, TokenStore
 
 
@@ -159,3 +159,20 @@ def test_torch_regeneration_decodes_like_our_loop(make_checkpoint):
   assert [len(r) for r in responses if r[-1] == 23 and len(r) < 10], "no row stopped early"
   with pytest.raises(InputError, match="Hugging Face checkpoint directory"):
     torch_generator(str(directory) + "-missing", 4, 0.0)
+
+
+def test_regeneration_splits_a_target_too_big_for_one_device(make_checkpoint):
+  """`--mesh tp=2`: two copies of the target over pytest's 4 devices, each split in two; the
+  same responses as one device. A mesh the devices cannot take is refused."""
+  directory, _ = make_checkpoint(num_hidden_layers=2)
+  config, params = jetflow_jax.load_qwen3(directory)
+  mesh = local_mesh("tp=2")
+  assert (mesh.size("data"), mesh.size("tp")) == (2, 2)
+  _, split = jetflow_jax.load_qwen3(directory, shardings=mesh.param_shardings)
+  prompts = [[5, 17, 3], [9, 1, 2, 3, 4, 5], [60, 61], [7, 8, 9, 10]]
+  want = jax_generator(params, config, 8, Greedy())(prompts, 0)
+  assert jax_generator(split, config, 8, Greedy(), mesh)(prompts, 0) == want
+  with pytest.raises(InputError, match="needs 3 devices a copy; this process has 4"):
+    local_mesh("tp=3")
+  with pytest.raises(InputError, match="names data"):
+    local_mesh("data=2")

@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.regenerate_temperature = 0.0
   c.data.regenerate_seed = 0
   c.data.regenerate_backend = "jax"  # or "torch": transformers' generate (HF checkpoints, CPU)
+  c.data.regenerate_mesh = ""  # jax: "tp=T[,ep=E]" per copy of the target; copies fill the rest
   c.data.shuffle_seed = 0
   c.data.pack = True  # fill rows with whole samples (short chats would waste 3072-token rows)
 

@@ -142,8 +142,8 @@ def _hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
       continue
     name = match.group(1)
     op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
-    names[name] = (op.group(1).replace("\\'", "'").replace('\\"', '"')
-                   .removeprefix("jit(train_step)/") if op else "")
+    names[name] = (re.sub(r"^jit\([\w.]+\)/", "", op.group(1).replace("\\'", "'")
+                          .replace('\\"', '"')) if op else "")
     shapes[name] = _strip_layout(match.group(2))
     operands[name] = re.findall(r"%([\w.\-]+)", match.group(3))
     called = re.search(r"calls=%([\w.\-]+)", line)
@@ -197,8 +197,8 @@ def _peak_live(live_range_text: str) -> list[tuple[str, int]]:
   return live
 
 
-def _read_dump(dump_dir: str, suffix: str) -> str:
-  paths = sorted(glob.glob(os.path.join(dump_dir, f"*train_step*after_optimizations{suffix}")))
+def _read_dump(dump_dir: str, suffix: str, module: str) -> str:
+  paths = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*after_optimizations{suffix}")))
   if not paths:
     return ""
   with open(paths[-1]) as f:
@@ -211,13 +211,15 @@ def _upcast_shapes(target_params) -> set[str]:
   for leaf in jax.tree.leaves(target_params):
     if leaf.dtype != jnp.bfloat16:
       continue
-    for dims in (leaf.shape, leaf.sharding.shard_shape(leaf.shape)):
+    sharding = getattr(leaf, "sharding", None)
+    for dims in {leaf.shape, sharding.shard_shape(leaf.shape) if sharding else leaf.shape}:
       for order in (dims, dims[::-1]):
         shapes.add(f"f32[{','.join(map(str, order))}]")
   return shapes
 
 
-def read_buffers(dump_dir: str, hlo_text: str, target_params, limit: int) -> dict:
+def read_buffers(dump_dir: str, hlo_text: str, target_params, limit: int,
+                 module: str = "jit_train_step") -> dict:
   """XLA's own account of the step's buffers, from the dump it wrote while compiling.
 
   `largest_buffers`: the biggest buffers live at the peak of XLA's live ranges (without
@@ -226,9 +228,10 @@ def read_buffers(dump_dir: str, hlo_text: str, target_params, limit: int) -> dic
   assignment's allocations summed by kind (empty when not dumped), a second account of
   `memory_analysis()` that also shows thread-local scratch and constants.
   """
-  ops = _hlo_ops(_read_dump(dump_dir, ".txt") or hlo_text)
-  values, allocations = _buffer_assignment(_read_dump(dump_dir, "-buffer-assignment.txt"))
-  live = _peak_live(_read_dump(dump_dir, "-live-range.txt"))
+  ops = _hlo_ops(_read_dump(dump_dir, ".txt", module) or hlo_text)
+  values, allocations = _buffer_assignment(_read_dump(dump_dir, "-buffer-assignment.txt",
+                                                      module))
+  live = _peak_live(_read_dump(dump_dir, "-live-range.txt", module))
   upcast = _upcast_shapes(target_params)
   rows = []
   for name, size in live:

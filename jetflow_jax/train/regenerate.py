@@ -28,7 +28,7 @@ from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
-from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.sampling import Sampler
 from jetflow_jax.train.data import prompt_ids, record_id
 from jetflow_jax.train.store import ShardWriter
@@ -39,9 +39,19 @@ BACKENDS = ("jax", "torch")
 BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def local_mesh() -> DecodeMesh:
-  """This process's devices as one data-parallel axis (a copy of the target on each)."""
-  return DecodeMesh.create(data=len(jax.local_devices()), devices=jax.local_devices())
+def local_mesh(model_axes: str = "") -> DecodeMesh:
+  """This process's devices: copies of the target over `data`, each copy split over the
+  `model_axes` (`tp=T[,ep=E]`, for a target that does not fit on one device)."""
+  sizes = parse_mesh(model_axes)
+  if "data" in sizes:
+    raise InputError(f"the regeneration mesh {model_axes!r} names data: data-parallel copies "
+                     "fill this process's devices by themselves; give tp and ep only")
+  devices = jax.local_devices()
+  per_copy = sizes.get("tp", 1) * sizes.get("ep", 1)
+  if len(devices) % per_copy:
+    raise InputError(f"the regeneration mesh {model_axes!r} needs {per_copy} devices a copy; "
+                     f"this process has {len(devices)}, not a multiple of it")
+  return DecodeMesh.create(data=len(devices) // per_copy, devices=devices, **sizes)
 
 
 def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
@@ -65,8 +75,8 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 
 def jax_generator(target_params, target_config: Qwen3Config, max_new_tokens: int,
                   sampler: Sampler, mesh: DecodeMesh | None = None) -> BatchGenerator:
-  """Our jitted decode loop, its cache sized to each batch; with `mesh` (a local mesh whose
-  devices each hold the whole target), the batch is split over its devices."""
+  """Our jitted decode loop, its cache sized to each batch; with `mesh` (a local mesh), the
+  batch is split over its data-parallel copies of the target."""
   ways = 1 if mesh is None else mesh.size("data")
   widest = 0
 
@@ -174,6 +184,9 @@ def _define_flags() -> None:
                       "CPU), float32 or bfloat16; torch runs float32")
   flags.DEFINE_enum("backend", "jax", BACKENDS, "jax: our decode loop; torch: transformers")
   flags.DEFINE_integer("threads", 0, "torch backend: CPU threads (0: torch's default)")
+  flags.DEFINE_string("mesh", "", "jax backend: tp=T[,ep=E] splits each copy of the target over "
+                      "T x E of this process's devices (a target too big for one); copies "
+                      "fill the rest")
   for name in ("target", "prompts", "out"):
     flags.mark_flag_as_required(name)
 
@@ -184,6 +197,7 @@ def main(argv) -> None:
 
   from jetflow_jax import distributed
   from jetflow_jax.checkpoint import load_qwen3
+  from jetflow_jax.config import load_config
   from jetflow_jax.sampling import make_sampler
   from jetflow_jax.train.data import read_jsonl
   f = flags.FLAGS
@@ -202,7 +216,8 @@ def main(argv) -> None:
         if f.threads:
           torch.set_num_threads(f.threads)
         return torch_generator(f.target, f.max_new_tokens, f.temperature)
-      mesh = local_mesh()
+      mesh = local_mesh(f.mesh)
+      mesh.check(load_config(f.target))
       config, params = load_qwen3(f.target, dtype, mesh.param_shardings)
       return jax_generator(params, config, f.max_new_tokens, make_sampler(f.temperature), mesh)
 
