@@ -17,7 +17,6 @@ import jax.numpy as jnp
 # tree rows, see `jetflow_jax.kernels`); plain masked attention always runs through XLA.
 AttentionImpl = Literal["xla", "pallas", "pallas_tpu"]
 KV_BLOCK = 128  # cache slots per step of the length-bounded loops below
-QUERY_BLOCK = 1024  # queries per step of a long (prefill) run
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
@@ -82,8 +81,11 @@ def fold_cache_blocks(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     s_bkgtc = jnp.where(valid_btc[:, None, None], s_bkgtc, -jnp.inf)
     return merge_scores((m, l, acc), s_bkgtc, window(v_bskh))
 
-  carry = (jnp.full((b, k, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
-           jnp.zeros((b, k, g, t, h), jnp.float32))
+  # The initial state is made from q, not from constants: XLA hoists a constant broadcast out
+  # of every enclosing loop (prefill chunks, decode rounds), one per layer, all live at once.
+  zero_bkgt = (q_btkgh[..., 0] * 0).astype(jnp.float32).transpose(0, 2, 3, 1)
+  carry = (zero_bkgt - jnp.inf, zero_bkgt,
+           jnp.broadcast_to(zero_bkgt[..., None], (b, k, g, t, h)))
   num_blocks = (jnp.max(num_valid_b) + block - 1) // block
   return jax.lax.fori_loop(0, jnp.minimum(num_blocks, -(-size // block)), step, carry)
 
@@ -111,31 +113,15 @@ def finish_softmax(carry, dtype) -> jax.Array:
 
 
 def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                     query_slots_bt: jax.Array, block: int = KV_BLOCK,
-                     query_block: int = QUERY_BLOCK) -> jax.Array:
+                     query_slots_bt: jax.Array, block: int = KV_BLOCK) -> jax.Array:
   """Causal attention over a KV cache: query (b, t) at slot query_slots_bt[b, t] reads every
   slot up to its own, visiting blocks only up to the highest such slot (prefill, AR steps).
 
-  Long query runs (prefill) go `query_block` queries at a time, each reading only the blocks
-  below its own last slot: scores never exceed [B, N, query_block, block].
+  Scores are at most `[B, N, T, block]`; long prompts come in chunks (`generate.prefill_forward`).
   """
   b, t, n, h = q_btnh.shape
   k = k_bskh.shape[2]
-
-  def attend(q_btnh, slots_bt):
-    carry = fold_cache_blocks(q_btnh.reshape(b, -1, k, n // k, h), k_bskh, v_bskh,
-                              slots_bt.max(axis=1) + 1, slots_bt, block)
-    return finish_softmax(carry, q_btnh.dtype)
-
   with jax.named_scope("cached_attention"):
-    if t <= query_block:
-      return attend(q_btnh, query_slots_bt)
-    chunks = -(-t // query_block)
-    pad = chunks * query_block - t
-    # Padded queries sit at the last real query's slot (they read what it reads, then drop).
-    q_cbtnh = jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
-        b, chunks, query_block, n, h).swapaxes(0, 1)
-    slots_cbt = jnp.pad(query_slots_bt, ((0, 0), (0, pad)), mode="edge").reshape(
-        b, chunks, query_block).swapaxes(0, 1)
-    out_cbtnh = jax.lax.map(lambda args: attend(*args), (q_cbtnh, slots_cbt))
-    return out_cbtnh.swapaxes(0, 1).reshape(b, chunks * query_block, n, h)[:, :t]
+    carry = fold_cache_blocks(q_btnh.reshape(b, t, k, n // k, h), k_bskh, v_bskh,
+                              query_slots_bt.max(axis=1) + 1, query_slots_bt, block)
+    return finish_softmax(carry, q_btnh.dtype)

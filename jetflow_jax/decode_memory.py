@@ -7,8 +7,9 @@ compiled ahead of time on abstract shapes: no weights, fake CPU devices for the 
 The target's architecture and the head's come from a training config file (its
 `target.shape`, or `target.checkpoint`'s config.json when set); `--checkpoint DIR` reads
 a checkpoint's config.json instead. The prompt fills the context up to one round's room.
-XLA's CPU backend upcasts bfloat16 matmul operands to float32, so a CPU report holds
-temporaries a GPU or TPU would not: read the temporaries as an upper bound.
+XLA's CPU backend upcasts bfloat16 dot operands to float32, so a CPU compile holds float32
+copies of bf16 weights and caches that a GPU or TPU would not; the buffers live at each
+phase's peak (from XLA's dump) tell them apart, and the reported peak leaves them out.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jetflow_jax import cli
+from jetflow_jax import cli, speculative
 from jetflow_jax.config import load_config
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import InputError
@@ -31,7 +33,6 @@ from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import abstract_params
 from jetflow_jax.sampling import Greedy
-from jetflow_jax import speculative
 from jetflow_jax.train import memory_report as train_report  # fake devices, buffer dumps
 
 GIB = 2**30
@@ -68,7 +69,19 @@ def analysis(compiled, dump_dir: str, module: str, bf16_arguments) -> dict:
           "total": total, "cpu_f32_copies_at_peak": copies,
           "peak_without_cpu_copies": total - copies,
           "largest_at_peak": [{k: b[k] for k in ("shape", "bytes", "op", "f32_copy_of_bf16_param")}
-                              for b in buffers["largest_buffers"][:6]]}
+                              for b in buffers["largest_buffers"][:6]],
+          "at_peak_by_op": _by_op(buffers["largest_buffers"])}
+
+
+def _by_op(buffers: list[dict], limit: int = 8) -> list[tuple[str, int, int]]:
+  """(op with layer numbers folded, buffers, bytes) of what is live at the peak, largest first."""
+  totals: dict[str, list[int]] = {}
+  for b in buffers:
+    op = re.sub(r"layers_\d+", "layers_*", b["op"] or b["shape"])
+    entry = totals.setdefault(op, [0, 0])
+    entry[0] += 1
+    entry[1] += b["bytes"]
+  return sorted(((op, n, size) for op, (n, size) in totals.items()), key=lambda t: -t[2])[:limit]
 
 
 def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, budget: int,
@@ -109,7 +122,8 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
                                             statics, context, compiler_options=options)
     seconds = time.perf_counter() - start
     # Every bf16 argument a CPU dot may upcast: the weights and the decode state's caches.
-    bf16_arguments = (target_params, head_params, prefill.out_info)
+    bf16_arguments = (target_params, head_params,
+                      placed(prefill.out_info, prefill.output_shardings))
     phases = {name: analysis(compiled, dump_dir, module, bf16_arguments)
               for name, compiled, module in (("prefill", prefill, "jit_prefill"),
                                              ("decode loop (rounds)", decode, "jit_decode"))}

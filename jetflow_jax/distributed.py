@@ -137,11 +137,17 @@ def barrier(name: str) -> None:
 
 
 def to_host(tree):
-  """A pytree of (possibly process-spanning) arrays as NumPy arrays, the same on every process."""
+  """A pytree of arrays as NumPy arrays: a process-spanning one gathered (the same on every
+  process), one on this process's devices alone (a local mesh) read as it is."""
   if not is_multiprocess():
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
-  return multihost_utils.process_allgather(tree, tiled=True)
+
+  def read(x):
+    if getattr(x, "is_fully_addressable", True):
+      return jax.device_get(x)
+    return multihost_utils.process_allgather(x, tiled=True)
+  return jax.tree.map(read, tree)
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> slice:

@@ -243,7 +243,9 @@ def _blocked_experts(weights, x_btd, experts_btk, weights_btk, num_experts: int,
     weighted_bcd = y_bcd * jnp.take_along_axis(weight_of_pair_bp, pairs_bc, axis=1)[..., None]
     return out_btd.at[batch_rows, tokens_bc].add(weighted_bcd.astype(out_btd.dtype))
 
-  return jax.lax.fori_loop(0, num_blocks, add_block, jnp.zeros_like(x_btd))
+  # Zeros made from x, not a broadcast: XLA hoists a constant broadcast out of every enclosing
+  # loop (prefill chunks, decode rounds), one per layer, all live at once.
+  return jax.lax.fori_loop(0, num_blocks, add_block, x_btd * 0)
 
 
 def _expert_mlp(weights, x_bcd, experts_b):

@@ -104,8 +104,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, *stat
   hi = jnp.minimum(lo + blocks_per_split, num_blocks)
   carries = lax.fori_loop(lo, jnp.minimum(hi, num_full), full_block, carries)
   carries = lax.fori_loop(jnp.maximum(lo, num_full), hi, tail_block, carries)
-  num_new_blocks = jnp.where(split == 0, kn_ref.shape[0] // block_new, 0)
-  carries = lax.fori_loop(0, num_new_blocks, new_block, carries)
+  # int32 bounds on both ends: Triton's scf.for needs one type for its bounds (a Python 0 is
+  # lowered as another integer type by newer jax, and the loop then fails to verify).
+  zero = jnp.int32(0)
+  num_new_blocks = jnp.where(split == 0, jnp.int32(kn_ref.shape[0] // block_new), zero)
+  carries = lax.fori_loop(zero, num_new_blocks, new_block, carries)
 
   for rows, (o_rh, m_r, l_r) in zip(tiles, carries):
     if kv_splits == 1:
