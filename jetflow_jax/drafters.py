@@ -71,3 +71,21 @@ class HeadDrafter:
 
   def commit(self, params, state, taps_btld, start_b):
     return append_context(params, self.config, state, taps_btld, start_b, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter:
+  """Drafts nothing (depth 0, no state): with `TreeShape("root")` a round is one AR step, so
+  plain decoding runs through the same round as the speculative methods."""
+
+  depth: int = 0
+  tap_layers: tuple[int, ...] = ()
+
+  def init_state(self, params, target_params, taps_btld, cache_size: int):
+    return None
+
+  def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
+    return jnp.zeros((anchor_b.shape[0], 0, target_config.vocab_size), jnp.float32)
+
+  def commit(self, params, state, taps_btld, start_b):
+    return state

@@ -54,9 +54,15 @@ def bucket_length(n: int, limit: int) -> int:
 
 
 def is_stop(tokens_b, stop_tokens):
-  if not stop_tokens:
-    return jnp.zeros(tokens_b.shape, bool)
-  return jnp.isin(tokens_b, jnp.asarray(stop_tokens, jnp.int32))
+  """Which tokens `[B, ...]` stop their row: `stop_tokens` a tuple of ids for every row, or an
+  array `[B, K]` of each row's ids (-1 pads)."""
+  if isinstance(stop_tokens, (tuple, list)):
+    if not stop_tokens:
+      return jnp.zeros(tokens_b.shape, bool)
+    return jnp.isin(tokens_b, jnp.asarray(stop_tokens, jnp.int32))
+  stops_bxk = stop_tokens.reshape(stop_tokens.shape[:1] + (1,) * (tokens_b.ndim - 1)
+                                  + stop_tokens.shape[1:])
+  return jnp.any(tokens_b[..., None] == stops_bxk, axis=-1)
 
 
 def _append(state: DecodeState, new_b: jax.Array, stop_tokens) -> DecodeState:

@@ -13,6 +13,11 @@ Invariants, per row: `lengths_b` tokens are committed; the target cache holds th
 all but the last (the anchor) and so does the drafter's context. Writes of a round cover
 `depth + 1` slots after the committed prefix; slots past what is committed are junk that
 later rounds overwrite, so every buffer keeps `depth + 1` spare slots.
+
+A round is `draft_and_verify` (1-3), the target's choice at every node, and `commit_choices`
+(4-5): `speculative_round` draws with one sampler and key for the batch, the continuous-batching
+engine (`jetflow_jax.engine`) with each slot's own settings and key. With `NoDrafter` and
+`TreeShape("root")` a round is one AR step.
 """
 
 from __future__ import annotations
@@ -29,28 +34,30 @@ import numpy as np
 
 from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.drafters import Drafter, HeadDrafter
+from jetflow_jax.distributed import to_host
+from jetflow_jax.drafters import Drafter, HeadDrafter, NoDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import (PREFILL_CHUNK, default_cache_size, generate, is_stop,
                                   new_tokens, pad_prompts, placed, placed_rows, prefill_forward,
                                   run_loop, steps_until_done, stop_tokens_for)
-from jetflow_jax.distributed import to_host
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
 from jetflow_jax.sampling import Greedy, Sampler
-from jetflow_jax.tree import DraftTree, build_tree, chain_tree, validate_tree_args
+from jetflow_jax.tree import DraftTree, build_tree, chain_tree, root_tree, validate_tree_args
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
   """How a round turns draft log-probs into a tree: the DFlash chain or the exact top-N tree."""
 
-  kind: Literal["chain", "top_n"]
+  kind: Literal["root", "chain", "top_n"]  # root: the anchor alone, a round is one AR step
   budget: int = 0  # nodes, root included (top_n only)
   top_k: int = 0  # candidate children per depth (top_n only)
 
   def __call__(self, depth_logprobs_bdv) -> DraftTree:
+    if self.kind == "root":
+      return root_tree(depth_logprobs_bdv)
     if self.kind == "chain":
       return chain_tree(depth_logprobs_bdv)
     return build_tree(depth_logprobs_bdv, self.budget, self.top_k)
@@ -66,7 +73,7 @@ class SpecState:
   done_b: jax.Array
   cache: KVCache  # target K/V
   drafter_state: Any
-  rng: jax.Array
+  rng: jax.Array  # one key for the batch (an engine's state: one per row, see `engine`)
   num_forwards: jax.Array  # target forward passes so far, prefill included (scalar)
   rounds_b: jax.Array  # rounds each row took part in
   committed_br: jax.Array  # tokens committed by row b in its round r (bonus included)
@@ -97,15 +104,23 @@ def _commit_count(state: SpecState, emitted_bd, accepted_depth_b, stop_tokens):
   return count_b, hit_stop_b
 
 
-def speculative_round(target_params, drafter_params, state: SpecState, *, config: Qwen3Config,
-                      drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
-                      stop_tokens: tuple[int, ...], impl: str = "xla",
-                      mesh: DecodeMesh | None = None) -> SpecState:
-  """One whole round for every row (finished rows compute and commit nothing)."""
+@flax.struct.dataclass
+class Verified:
+  """A round's tree after the target's forward over it (steps 1-3 of the module docstring)."""
+
+  tree: DraftTree  # the root's token is each row's anchor
+  logits_bnv: jax.Array  # the target's float32 logits at every node
+  kv: KVCache  # the nodes' own K/V, `[B, N, K, H]` per layer, not yet committed
+  taps_bnld: jax.Array | None  # the nodes' taps for the drafter (None without tap layers)
+
+
+def draft_and_verify(target_params, drafter_params, state: SpecState, *, config: Qwen3Config,
+                     drafter: Drafter, tree_shape: TreeShape, impl: str = "xla",
+                     mesh: DecodeMesh | None = None) -> Verified:
+  """Drafts after each row's anchor, builds the tree, and runs the target over it."""
   batch = state.lengths_b.shape[0]
-  rows = jnp.arange(batch)
   context_len_b = state.lengths_b - 1
-  anchor_b = state.tokens_bs[rows, context_len_b]
+  anchor_b = state.tokens_bs[jnp.arange(batch), context_len_b]
 
   with jax.named_scope("draft"):
     logprobs_bdv = drafter.draft(drafter_params, target_params, config, state.drafter_state,
@@ -119,18 +134,29 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
         cache=state.cache, cache_index_b=context_len_b, tree_mask_btt=tree.ancestor_mask,
         tap_layers=drafter.tap_layers, impl=impl, mesh=None if mesh is None else mesh.mesh)
     logits_bnv = lm_logits(target_params, config, hidden_bnd)
+  return Verified(tree=tree, logits_bnv=logits_bnv, kv=tree_kv, taps_bnld=taps_bnld)
+
+
+def commit_choices(drafter_params, state: SpecState, verified: Verified, choices_bn, *,
+                   drafter: Drafter, stop_tokens) -> SpecState:
+  """Accepts the path the target's choices `[B, N]` agree with and commits it (steps 4-5).
+
+  `stop_tokens`: a tuple for every row, or `[B, K]` ids per row (see `generate.is_stop`).
+  """
+  rows = jnp.arange(state.lengths_b.shape[0])
+  context_len_b = state.lengths_b - 1
   with jax.named_scope("accept"):
-    rng, draw = jax.random.split(state.rng)
-    choices_bn = sampler(draw, logits_bnv)  # argmax, or one independent draw per node
-    path_bd, accepted_depth_b, emitted_bd = accept(tree, choices_bn, drafter.depth)
+    path_bd, accepted_depth_b, emitted_bd = accept(verified.tree, choices_bn, drafter.depth)
     count_b, hit_stop_b = _commit_count(state, emitted_bd, accepted_depth_b, stop_tokens)
 
   with jax.named_scope("commit"):
     # The path's nodes 0..depth hold the tokens at positions context_len .. context_len + depth.
+    tree_kv = verified.kv
     cache = KVCache(k=tuple(write_rows(c, _take_rows(t, path_bd), context_len_b)
                             for c, t in zip(state.cache.k, tree_kv.k)),
                     v=tuple(write_rows(c, _take_rows(t, path_bd), context_len_b)
                             for c, t in zip(state.cache.v, tree_kv.v)))
+    taps_bnld = verified.taps_bnld
     path_taps = None if taps_bnld is None else _take_rows(taps_bnld, path_bd)
     drafter_state = drafter.commit(drafter_params, state.drafter_state, path_taps, context_len_b)
     tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
@@ -141,9 +167,39 @@ def speculative_round(target_params, drafter_params, state: SpecState, *, config
     done_b = (state.done_b | hit_stop_b | (lengths_b >= state.max_lengths_b)
               | (lengths_b >= state.capacity))
   return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, done_b=done_b, cache=cache,
-                       drafter_state=drafter_state, rng=rng, num_forwards=state.num_forwards + 1,
+                       drafter_state=drafter_state, num_forwards=state.num_forwards + 1,
                        rounds_b=state.rounds_b + live_b.astype(jnp.int32),
                        committed_br=committed_br)
+
+
+def speculative_round(target_params, drafter_params, state: SpecState, *, config: Qwen3Config,
+                      drafter: Drafter, tree_shape: TreeShape, sampler: Sampler,
+                      stop_tokens: tuple[int, ...], impl: str = "xla",
+                      mesh: DecodeMesh | None = None) -> SpecState:
+  """One whole round for every row (finished rows compute and commit nothing)."""
+  verified = draft_and_verify(target_params, drafter_params, state, config=config,
+                              drafter=drafter, tree_shape=tree_shape, impl=impl, mesh=mesh)
+  with jax.named_scope("accept"):
+    rng, draw = jax.random.split(state.rng)
+    choices_bn = sampler(draw, verified.logits_bnv)  # argmax, or one independent draw per node
+  return commit_choices(drafter_params, state.replace(rng=rng), verified, choices_bn,
+                        drafter=drafter, stop_tokens=stop_tokens)
+
+
+def prefill_rows(target_params, drafter_params, prompt_bt, prompt_lengths_b, cache_size: int, *,
+                 config: Qwen3Config, drafter: Drafter, mesh: DecodeMesh | None = None,
+                 chunk: int = PREFILL_CHUNK):
+  """The padded prompts through the target into caches of `cache_size` slots.
+
+  Returns (target cache, logits at each row's last prompt token `[B, V]`, drafter state).
+  """
+  cache, last_bd, drafter_state = prefill_forward(
+      target_params, config, prompt_bt, prompt_lengths_b, cache_size, mesh=mesh,
+      tap_layers=drafter.tap_layers, chunk=chunk,
+      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps, cache_size),
+      commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
+                                                              start_b))
+  return cache, lm_logits(target_params, config, last_bd), drafter_state
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "sampler", "stop_tokens",
@@ -155,14 +211,11 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_new_
   """Target forward over the padded prompts; the first token; the drafter's initial state."""
   batch, prompt_len = prompt_bt.shape
   slots = capacity + drafter.depth + 1
-  cache, last_bd, drafter_state = prefill_forward(
-      target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
-      tap_layers=drafter.tap_layers, chunk=chunk,
-      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps, slots),
-      commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
-                                                              start_b))
+  cache, logits_bv, drafter_state = prefill_rows(
+      target_params, drafter_params, prompt_bt, prompt_lengths_b, slots, config=config,
+      drafter=drafter, mesh=mesh, chunk=chunk)
   rng, draw = jax.random.split(rng)
-  first_b = sampler(draw, lm_logits(target_params, config, last_bd))
+  first_b = sampler(draw, logits_bv)
   tokens_bs = jnp.zeros((batch, slots), jnp.int32).at[:, :prompt_len].set(prompt_bt)
   tokens_bs = tokens_bs.at[jnp.arange(batch), prompt_lengths_b].set(first_b)
   lengths_b = prompt_lengths_b + 1
@@ -218,11 +271,13 @@ class SpeculativeGeneration:
 
 
 def tree_shape_for(method: str, budget: int, top_k: int) -> TreeShape:
+  if method == "ar":  # with `drafters.NoDrafter`
+    return TreeShape("root")
   if method == "dflash":
     return TreeShape("chain")
   if method in ("ddtree", "jetflow"):
     return TreeShape("top_n", budget, top_k)
-  raise InputError(f"unknown speculative method {method!r}; choose from {', '.join(METHODS[1:])}")
+  raise InputError(f"unknown speculative method {method!r}; choose from {', '.join(METHODS)}")
 
 
 def stop_reason(tokens: list[int], max_new_tokens: int, stop_tokens: Sequence[int]) -> str:
@@ -330,6 +385,30 @@ def run_speculative(target_params, config: Qwen3Config, drafter: Drafter, drafte
       num_target_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s)
 
 
+def drafter_for(method: str, target_config: Qwen3Config, head_params,
+                head_config: HeadConfig | None, attention: str = "xla",
+                warn: Callable[[str], None] = print) -> Drafter:
+  """The drafter `method` runs with (`NoDrafter` for ar); bad names and heads raise InputError.
+
+  Naming `jetflow` with a bidirectional head, or `dflash`/`ddtree` with a causal one, calls
+  `warn` once (an ablation).
+  """
+  if method not in METHODS:
+    raise InputError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+  if attention not in ("xla", "pallas", "pallas_tpu"):
+    raise InputError(f"attention must be xla, pallas or pallas_tpu (got {attention!r})")
+  if method == "ar":
+    return NoDrafter()
+  if head_config is None or head_params is None:
+    raise InputError(f"method {method!r} needs a draft head (--head); use --method ar without one")
+  head_config.validate_for(target_config)
+  wants_causal = method == "jetflow"
+  if head_config.causal != wants_causal:
+    kind = "causal (JetFlow)" if head_config.causal else "bidirectional (DFlash)"
+    warn(f"warning: method {method} with a {kind} head: running it as an ablation")
+  return HeadDrafter(head_config, jax.tree.leaves(head_params)[0].dtype, attention)
+
+
 def speculative_generate(target_params, target_config: Qwen3Config, head_params,
                          head_config: HeadConfig | None, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, *, method: str = "jetflow", budget: int = 64,
@@ -348,21 +427,10 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
   With `mesh` (a `DecodeMesh`), `target_params` must sit where `mesh.param_shardings` says
   (`load_qwen3(path, shardings=mesh.param_shardings)` loads them there).
   """
-  if method not in METHODS:
-    raise InputError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-  if attention not in ("xla", "pallas", "pallas_tpu"):
-    raise InputError(f"attention must be xla, pallas or pallas_tpu (got {attention!r})")
+  drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
   if method == "ar":
     return _autoregressive(target_params, target_config, prompts, max_new_tokens, sampler, seed,
                            cache_size, stop_tokens, on_tokens, mesh)
-  if head_config is None or head_params is None:
-    raise InputError(f"method {method!r} needs a draft head (--head); use --method ar without one")
-  head_config.validate_for(target_config)
-  wants_causal = method == "jetflow"
-  if head_config.causal != wants_causal:
-    kind = "causal (JetFlow)" if head_config.causal else "bidirectional (DFlash)"
-    warn(f"warning: method {method} with a {kind} head: running it as an ablation")
-  drafter = HeadDrafter(head_config, jax.tree.leaves(head_params)[0].dtype, attention)
   return run_speculative(target_params, target_config, drafter, head_params, prompts,
                          max_new_tokens, tree_shape=tree_shape_for(method, budget, top_k),
                          sampler=sampler, seed=seed, cache_size=cache_size,

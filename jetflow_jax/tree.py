@@ -149,3 +149,12 @@ def chain_tree(depth_logprobs) -> DraftTree:
                    ancestor_mask=rows(jnp.tril(jnp.ones((n, n), bool))),
                    scores=jnp.concatenate([zeros_b1.astype(jnp.float32),
                                            jnp.cumsum(best_bd1[..., 0], axis=1)], axis=1))
+
+
+def root_tree(depth_logprobs) -> DraftTree:
+  """The root alone, one node per row (drafts of any depth ignored): a round is one AR step."""
+  batch = jnp.shape(depth_logprobs)[0]
+  zeros_b1 = jnp.zeros((batch, 1), jnp.int32)
+  return DraftTree(tokens=zeros_b1, parents=zeros_b1 - 1, depths=zeros_b1,
+                   ancestor_mask=jnp.ones((batch, 1, 1), bool),
+                   scores=zeros_b1.astype(jnp.float32))

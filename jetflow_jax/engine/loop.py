@@ -1,0 +1,123 @@
+"""The host loop: a queue of requests, admission as slots free up, streaming, cancellation.
+
+Each `Orchestrator.step()` frees the slots of cancelled requests, admits waiting requests into
+free slots (`prefill` + `insert`), dispatches one engine step, and only then reads back the
+previous step's new tokens (a few hundred ints): the device runs the step just dispatched while
+the host streams, so the host's Python overlaps the rounds instead of adding to them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Iterable
+
+import jax
+
+from jetflow_jax.engine.engine import Engine, Request, sampling_flags
+from jetflow_jax.engine.state import StepOutput
+
+FinishReason = str  # "stop_token" | "max_tokens" | "cancelled"
+
+
+@dataclasses.dataclass(eq=False)
+class Stream:
+  """One submitted request: its tokens so far, and how it ended (None while it runs)."""
+
+  request: Request
+  stop_tokens: tuple[int, ...]
+  on_tokens: Callable[[list[int]], None] | None = None  # called with each new piece
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  finish_reason: FinishReason | None = None
+  rounds: int = 0  # speculative rounds it took part in (the prefill's token excluded)
+  cancelled: bool = False
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  def cancel(self) -> None:
+    """Stops the request at the loop's next step; its slot goes to a waiting request."""
+    self.cancelled = True
+
+
+class Orchestrator:
+  """Runs requests through an `Engine`: submit any time, call `step()` (or `run()`)."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self.state = engine.init_state()
+    self.waiting: collections.deque[Stream] = collections.deque()
+    self.slots: list[Stream | None] = [None] * engine.num_slots
+    self._pending: tuple[StepOutput, list[Stream | None]] | None = None
+    self.num_steps = 0
+
+  def submit(self, request: Request,
+             on_tokens: Callable[[list[int]], None] | None = None) -> Stream:
+    """Queues `request` (InputError now if it cannot fit a slot); its stream fills as it runs."""
+    stream = Stream(request, self.engine.check(request), on_tokens)
+    self.waiting.append(stream)
+    return stream
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.waiting) or any(self.slots) or self._pending is not None
+
+  def step(self) -> bool:
+    """One turn of the loop; False once nothing is waiting, running or unread."""
+    for slot, stream in enumerate(self.slots):
+      if stream is not None and stream.cancelled:
+        self._finish(stream, "cancelled")
+    for stream in [s for s in self.waiting if s.cancelled]:
+      self.waiting.remove(stream)
+      self._finish(stream, "cancelled")
+    for slot in range(len(self.slots)):
+      if self.slots[slot] is None and self.waiting:
+        stream = self.waiting.popleft()
+        self.state = self.engine.insert(self.state, self.engine.prefill(stream.request), slot)
+        self.slots[slot] = stream
+    pending, self._pending = self._pending, None
+    if any(self.slots):
+      flags = sampling_flags([s.request for s in self.slots if s is not None])
+      self.state, output = self.engine.step(self.state, **flags)
+      self._pending = (output, list(self.slots))
+      self.num_steps += 1
+    if pending is not None:
+      self._deliver(*pending)
+    return self.busy
+
+  def run(self) -> None:
+    """Steps until every submitted request has finished."""
+    while self.step():
+      pass
+
+  def generate(self, requests: Iterable[Request]) -> list[Stream]:
+    """Submits `requests`, runs them all, returns their streams in order."""
+    streams = [self.submit(r) for r in requests]
+    self.run()
+    return streams
+
+  def _deliver(self, output: StepOutput, owners: list[Stream | None]) -> None:
+    """A step's new tokens to the streams that held the slots when it was dispatched."""
+    new_bw, num_new_b, done_b, rounds_b = jax.device_get(
+        (output.new_bw, output.num_new_b, output.done_b, output.rounds_b))
+    for slot, stream in enumerate(owners):
+      if stream is None or stream.finished:
+        continue
+      if num_new_b[slot]:
+        piece = new_bw[slot, :num_new_b[slot]].tolist()
+        stream.tokens.extend(piece)
+        if stream.on_tokens is not None:
+          stream.on_tokens(piece)
+      stream.rounds = int(rounds_b[slot])
+      if done_b[slot]:
+        done_by_stop = bool(stream.tokens) and stream.tokens[-1] in stream.stop_tokens
+        self._finish(stream, "stop_token" if done_by_stop else "max_tokens")
+
+  def _finish(self, stream: Stream, reason: FinishReason) -> None:
+    """Ends `stream`; its slot, if it holds one, is evicted and free for the next request."""
+    stream.finish_reason = reason
+    if stream in self.slots:
+      slot = self.slots.index(stream)
+      self.state = self.engine.evict(self.state, slot)
+      self.slots[slot] = None
