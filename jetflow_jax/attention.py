@@ -45,11 +45,6 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts:
                                         implementation="xla")
 
 
-def causal_mask(query_slots_bt: jax.Array, num_keys: int) -> jax.Array:
-  """[B, T, S] mask: a query at cache slot t sees every slot <= t."""
-  return jnp.arange(num_keys)[None, None, :] <= query_slots_bt[:, :, None]
-
-
 def fold_cache_blocks(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
                       num_valid_b: jax.Array, query_slots_bt: jax.Array | None = None,
                       block: int = KV_BLOCK):

@@ -180,16 +180,10 @@ def format_report(report: dict) -> str:
                  f", temporaries {size(a['temporaries']).strip()}, outputs not aliased "
                  f"{size(a['outputs'] - a['aliased']).strip()}); without the CPU's f32 copies "
                  f"of bf16 arguments {size(a['peak_without_cpu_copies']).strip()}")
-  peak = peak_bytes(report)
+  peak = max(m[phase]["peak_without_cpu_copies"] for phase in ("prefill", "decode loop (rounds)"))
   lines += ["", f"  peak {size(peak).strip()} per device: "
             f"{'fits' if peak <= 80 * GIB else 'does not fit'} an 80 GiB device"]
   if r["platform"] == "cpu" and target["dtype"] == "bfloat16":
     lines.append("  (XLA on CPU upcasts bfloat16 dot operands to float32, a GPU or TPU does not: "
                  "the peak leaves out the float32 copies of bf16 weights and caches live at it)")
   return "\n".join(lines)
-
-
-def peak_bytes(report: dict) -> int:
-  """The larger phase's bytes per device, as a GPU or TPU would hold them."""
-  return max(report["per_device_bytes"][phase]["peak_without_cpu_copies"]
-             for phase in ("prefill", "decode loop (rounds)"))

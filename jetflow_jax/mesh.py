@@ -59,10 +59,6 @@ class DecodeMesh:
   def size(self, axis: str) -> int:
     return self.mesh.shape[axis]
 
-  @property
-  def is_trivial(self) -> bool:
-    return self.mesh.size == 1
-
   def check(self, config: Qwen3Config) -> None:
     """Refuses a mesh the target cannot be split over, naming every reason."""
     tp, ep = self.size("tp"), self.size("ep")

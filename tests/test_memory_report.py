@@ -1,5 +1,5 @@
 """train.py --memory_report: the step compiled on abstract shapes over a 2-device fake mesh, and
-a job of 2 processes x 2 devices sized without its hosts."""
+a job of 2 processes x 2 devices sized without its hosts; decode.py --memory_report over tp=2."""
 
 import json
 
@@ -75,3 +75,26 @@ def test_published_shapes_fit_their_heads():
     target, source = memory_report.target_config(config)
     assert source == "target.shape" and target.num_hidden_layers == layers
     setup.head_config(config, target)  # taps and widths fit the published shape
+
+
+def test_decode_memory_report_splits_over_tp_and_adds_up():
+  """decode.py --memory_report on configs/tiny.py over tp=2 (fake devices, no weights)."""
+  args = ["decode.py", "--memory_report", "--config", "configs/tiny.py", "--batch-size", "2",
+          "--budget", "16", "--cache-size", "256", "--json"]
+  done = run_cli(*args, "--mesh", "tp=2", timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(done.stdout)
+  assert report["num_devices"] == 2 and report["mesh"] == {"data": 1, "tp": 2, "ep": 1}
+  target, m = report["target"], report["per_device_bytes"]
+  # The target cache (2 kv heads over tp=2): one kv head a device, bf16, context + a round.
+  slots = report["context"] + report["head"]["block_size"]
+  assert report["kv_cache_split_over_tp"]
+  assert m["target KV cache"] == 2 * target["layers"] * slots * 1 * 16 * report["batch"] * 2
+  for phase in ("prefill", "decode loop (rounds)"):
+    a = m[phase]
+    assert a["total"] == a["arguments"] + a["outputs"] - a["aliased"] + a["temporaries"]
+    assert 0 < a["peak_without_cpu_copies"] == a["total"] - a["cpu_f32_copies_at_peak"]
+    assert a["peak_without_cpu_copies"] >= m["target weights"] + m["target KV cache"]
+  missing = run_cli(*[a for a in args if a not in ("--config", "configs/tiny.py")], timeout=120)
+  assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
+      "error: --memory_report needs --config (a training config file: configs/NAME.py)")
