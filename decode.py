@@ -22,7 +22,6 @@ import jax
 
 from jetflow_jax import cli, distributed, embedded, hub
 from jetflow_jax.checkpoint import load_qwen3
-from jetflow_jax.config import load_config
 from jetflow_jax.kernels.tree_attention import attention_for_backend
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.errors import InputError
@@ -139,10 +138,7 @@ def main(argv=None) -> None:
     method = args.method or ("jetflow" if head else "ar")
     checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
     attention = attention_for_backend(args.attention, jax.default_backend())
-    mesh = None
-    if args.mesh:
-      mesh = DecodeMesh.create(**parse_mesh(args.mesh))
-      mesh.check(load_config(checkpoint))  # before any weight is read
+    mesh = DecodeMesh.create(**parse_mesh(args.mesh)) if args.mesh else None
     config, params = load_qwen3(checkpoint, dtype, None if mesh is None else mesh.param_shardings)
     head_config, head_params = load_head(head, dtype) if head else (None, None)
     prompts, tokenizer = read_prompts(args, checkpoint)

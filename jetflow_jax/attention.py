@@ -52,8 +52,9 @@ def fold_cache_blocks(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
   `query_slots_bt`, s <= the query's slot), in blocks up to the longest row's count only.
 
   The loop's trip count is traced: a forward costs what the rows hold, not the buffer's size.
-  q is `[B, T, K, G, H]`, scores scaled by 1/sqrt(H) in float32; returns m, l `[B, K, G, T]` and acc `[B, K, G, T, H]`
-  (float32), to be merged with other keys or finished by `finish_softmax`.
+  q is `[B, T, K, G, H]`, scores scaled by 1/sqrt(H) in float32; returns m, l `[B, K, G, T]`
+  and acc `[B, K, G, T, H]` (float32), to be merged with other keys or finished by
+  `finish_softmax`.
   """
   b, t, k, g, h = q_btkgh.shape
   size = k_bskh.shape[1]

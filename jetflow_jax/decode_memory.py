@@ -99,7 +99,6 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
     target = load_config(os.path.expanduser(checkpoint))
   head = setup.head_config(config, target)
   mesh = DecodeMesh.create(**mesh_sizes)
-  mesh.check(target)
   dtype = cli.parse_dtype(dtype_name)
   if batch % mesh.size("data"):
     raise InputError(f"--batch-size {batch} does not split over data={mesh.size('data')}")
@@ -121,20 +120,13 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
     prefill, decode = speculative._compiled(target_params, head_params, (batch, prompt_len),
                                             statics, context, compiler_options=options)
     seconds = time.perf_counter() - start
+    state = placed(prefill.out_info, prefill.output_shardings)
     # Every bf16 argument a CPU dot may upcast: the weights and the decode state's caches.
-    bf16_arguments = (target_params, head_params,
-                      placed(prefill.out_info, prefill.output_shardings))
+    bf16_arguments = (target_params, head_params, state)
     phases = {name: analysis(compiled, dump_dir, module, bf16_arguments)
               for name, compiled, module in (("prefill", prefill, "jit_prefill"),
                                              ("decode loop (rounds)", decode, "jit_decode"))}
 
-  slots = context + head.depth + 1
-  kv_axis = mesh.kv_heads_axis(target)
-  kv_heads = target.num_key_value_heads // (mesh.size("tp") if kv_axis else 1)
-  per_row = 2 * target.num_hidden_layers * slots * kv_heads * target.head_dim
-  head_per_row = 2 * head.num_layers * slots * head.num_key_value_heads * head.head_dim
-  rows = batch // mesh.size("data")
-  itemsize = jnp.dtype(dtype).itemsize
   return {
       "mesh": {axis: mesh.size(axis) for axis in ("data", "tp", "ep")},
       "num_devices": mesh.mesh.size, "platform": jax.devices()[0].platform,
@@ -148,10 +140,10 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
       "per_device_bytes": {
           "target weights": _shard_bytes(target_params),
           "head weights": _shard_bytes(head_params),
-          "target KV cache": rows * per_row * itemsize,
-          "head context cache": rows * head_per_row * itemsize,
+          "target KV cache": _shard_bytes(state.cache),
+          "head context cache": _shard_bytes(state.drafter_state),
           **phases},
-      "kv_cache_split_over_tp": kv_axis is not None,
+      "kv_cache_split_over_tp": mesh.kv_heads_axis(target) is not None,
   }
 
 

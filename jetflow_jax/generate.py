@@ -111,7 +111,7 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
     here_b = (offset_b >= 0) & (offset_b < size)
     last_bd = jnp.where(here_b[:, None], hidden_btd[rows, jnp.clip(offset_b, 0, size - 1)],
                         last_bd)
-    if tap_layers:
+    if init_taps is not None:
       state = init_taps(taps) if state is None else commit_taps(state, taps, start_b)
     return cache, last_bd, state
 
@@ -308,8 +308,7 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
                    prompt_lengths_b, on_tokens, stream_every)
   tokens = new_tokens(state, prompt_lengths_b)
   return Generation(tokens=tokens, num_forwards=int(to_host(state.num_forwards)),
-                    compile_s=compile_s,
-                    wall_s=time.perf_counter() - start)
+                    compile_s=compile_s, wall_s=time.perf_counter() - start)
 
 
 def placed_rows(mesh: DecodeMesh | None, *rows_b):

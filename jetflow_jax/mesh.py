@@ -120,6 +120,9 @@ class DecodeMesh:
     return jax.tree_util.tree_map_with_path(spec, params)
 
   def param_shardings(self, config: Qwen3Config, params):
+    """`param_specs` as shardings, after `check`: whatever places a target on this mesh (its
+    loading above all, before any weight is read) refuses a mesh it cannot take."""
+    self.check(config)
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs(config, params),
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -135,12 +138,12 @@ class DecodeMesh:
     return NamedSharding(self.mesh, P())
 
   def put(self, tree, sharding: NamedSharding):
-    """Host values (the same on every process) onto the mesh, each process filling only its
-    own devices: works when the mesh spans several processes, where `device_put` does not."""
+    """Values (the same on every process) onto the mesh. Across processes, where `device_put`
+    cannot reach other processes' devices, each fills only its own from a host copy."""
+    if jax.process_count() == 1:
+      return jax.device_put(tree, sharding)
+
     def put_leaf(x):
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(put_leaf(jax.random.key_data(x)),
-                                        impl=jax.random.key_impl(x))
       host = np.asarray(x)
       return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return jax.tree.map(put_leaf, tree)

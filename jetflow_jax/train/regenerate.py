@@ -197,7 +197,6 @@ def main(argv) -> None:
 
   from jetflow_jax import distributed
   from jetflow_jax.checkpoint import load_qwen3
-  from jetflow_jax.config import load_config
   from jetflow_jax.sampling import make_sampler
   from jetflow_jax.train.data import read_jsonl
   f = flags.FLAGS
@@ -217,7 +216,6 @@ def main(argv) -> None:
           torch.set_num_threads(f.threads)
         return torch_generator(f.target, f.max_new_tokens, f.temperature)
       mesh = local_mesh(f.mesh)
-      mesh.check(load_config(f.target))
       config, params = load_qwen3(f.target, dtype, mesh.param_shardings)
       return jax_generator(params, config, f.max_new_tokens, make_sampler(f.temperature), mesh)
 

@@ -172,7 +172,6 @@ def regenerate_prompts(config: ml_collections.ConfigDict, store_dir: str) -> Non
       return torch_generator(config.target.checkpoint, d.max_new_tokens,
                              d.regenerate_temperature)
     mesh = local_mesh(d.regenerate_mesh)
-    mesh.check(target_config(config))
     target, params = load_target(config, mesh.param_shardings)
     return jax_generator(params, target, d.max_new_tokens, make_sampler(d.regenerate_temperature),
                          mesh)
