@@ -87,6 +87,21 @@ def test_xla_chain_equals_causal_attention():
   np.testing.assert_allclose(run(case, impl="xla"), brute_force(case), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("scores_bytes,block", [(1 << 28, 1 << 20), (4 * 60 * 256, 256)])
+def test_xla_gpu_loop_equals_brute_force(monkeypatch, scores_bytes, block):
+  """On a GPU the cache loop takes blocks as large as the scores allow, over the whole buffer
+  (a static count): one block of all 300 slots, or blocks of 256 whose last is pulled back."""
+  from jetflow_jax import attention
+  monkeypatch.setattr(attention, "GPU_SCORES_BYTES", scores_bytes)
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  case = make_case(3, b=3, t=5, s=300, n=4, k=1, cache_len=[0, 300, 131])
+  args = [case[name] for name in ("q", "k_cache", "v_cache", "cache_len", "k_new", "v_new",
+                                  "mask")]
+  assert attention.cache_block(3 * 5 * 4, "gpu") == block  # 60 score rows of float32
+  np.testing.assert_allclose(np.asarray(tree_attention(*args, impl="xla")), brute_force(case),
+                             atol=1e-5, rtol=0)
+
+
 # T not a multiple of any block, S not a multiple of block_kv (and S below it), GQA 1 and 4.
 PALLAS_CASES = [
     dict(t=5, s=50, n=4, k=4, block_kv=16),

@@ -63,7 +63,7 @@ def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax
                    new_mask_btt: jax.Array, *, impl: TreeAttentionImpl = "xla",
                    interpret: bool | pltpu.InterpretParams = False, block_kv: int | None = None,
                    block_rows: int = 64, max_rows: int = 128, kv_splits: int = 1,
-                   num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
+                   num_warps: int = 4, num_stages: int = 2) -> jax.Array:
   """Softmax(q k / sqrt(H)) v over cache slots [0, cache_len_b[b]) and the new rows allowed by
   `new_mask_btt`; float32 softmax, output in q's dtype.
 

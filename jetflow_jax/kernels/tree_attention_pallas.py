@@ -7,17 +7,17 @@ share of the cache once, and every K/V tile it loads is folded into each of its 
 the next is loaded, so a tile is read once for all the rows and heads that program holds.
 Scores live in the log2 domain (scaled by log2(e) / sqrt(H)) so the softmax uses exp2.
 
-The cap is the register file: a row's float32 state is H + 2 words and stays in registers for
-the whole cache walk, so at H = 128 about 128 rows fit one program (8 warps: 64 accumulator words
-a thread, the 128 x 128 tile flash-attention kernels use at this head size). All 1024 rows of
-T = 256 at G = 4 would need 512 KiB, more than an SM's registers and shared memory together, and
-parking the state in global memory between K/V tiles would move 1024 * (H + 2) * 8 bytes, about
-1 MiB, per 32 KiB tile of 64 bf16 slots: 4 times what the re-reads below cost. So past `max_rows`
-the rows split over ceil(T * G / max_rows) programs, each of which reads the cache: at G = 4 and
-the default 128 rows, once for T <= 32, 2 times at T = 64, 4 at 128 and 8 at 256 (it was 16 with
-64-row programs). The programs of one (batch row, kv head, split) launch side by side, so those
-repeated reads mostly hit L2. kv_splits adds programs without re-reading anything: each split
-walks a disjoint run of cache blocks.
+How many rows a program holds was measured on an H200 (bench/gpu_kernel_tiles.py, Qwen3-8B
+shapes, batch 8, bf16, results in bench/results/gpu/gpu_kernel_tiles_h200.json). Each row's
+float32 state (H + 2 words) stays in registers for the whole cache walk, so a program of more
+rows runs fewer of them per SM, and that costs more than re-reading the cache saves: at a
+32K-token cache, N = 64 (256 rows) takes 1.15 / 1.27 / 3.76 ms with 64 / 128 / 256 rows a
+program (4 / 2 / 1 cache reads), and N = 256 takes 3.34 / 6.43 / 13.2 ms with 128 / 256 / 512
+(8 / 4 / 2 reads); all 1,024 rows in one program (one read) does not compile (384 KiB of shared
+memory asked, more than an SM has). The re-reads are by programs of the same (batch row, kv
+head, split), launched side by side, so they mostly hit L2. Hence the defaults: 128 rows, in
+tiles of 64, on 4 warps (8 warps doubles the time at N = 256). kv_splits adds programs without
+re-reading anything: each split walks a disjoint run of cache blocks.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bs
                           cache_len_b: jax.Array, k_new_btkh: jax.Array, v_new_btkh: jax.Array,
                           new_mask_btt: jax.Array, *, interpret: bool = False, block_kv: int = 64,
                           block_rows: int = 64, max_rows: int = 128, kv_splits: int = 1,
-                          num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
+                          num_warps: int = 4, num_stages: int = 2) -> jax.Array:
   """Pallas tree attention; same contract as `tree_attention(..., impl="pallas")`.
 
   block_kv: cache slots per step; block_rows: (query, head) rows per dot tile, capped at the padded
@@ -133,7 +133,7 @@ def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bs
   is read ceil(T * G / max_rows) times. All powers of two >= 16, as is H. kv_splits > 1 splits
   each row's valid cache blocks over that many programs (flash-decoding) and merges them here in
   float32: worth it when B * K * row programs is well below the GPU's SM count (small T, small
-  batch). num_warps None: 4 for a program of up to 64 rows, else 8.
+  batch).
   """
   b, t, n, h = q_btnh.shape
   s, k = k_cache_bskh.shape[1], k_cache_bskh.shape[2]
@@ -152,8 +152,6 @@ def tree_attention_pallas(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bs
   tiles = min(max(max_rows // tile_rows, 1), _next_pow2(num_tiles))
   rows = tiles * tile_rows
   r_pad = pl.cdiv(num_tiles, tiles) * rows
-  if num_warps is None:
-    num_warps = 4 if rows <= 64 else 8
   # Query rows: [B, K, T * G, H], padded to whole programs.
   q_bkrh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 1, 3, 4).reshape(b, k, t * g, h)
   q_bkrh = jnp.pad(q_bkrh, ((0, 0), (0, 0), (0, r_pad - t * g), (0, 0)))
