@@ -110,19 +110,10 @@ def test_two_processes_train_like_one_and_resume_on_one_after_sigterm(tmp_path, 
   assert losses(workdir) == want
 
 
-def test_two_by_two_matches_one_by_four_and_restarts_after_a_killed_peer(tmp_path, regenerated):
+def test_two_by_two_killed_peer_restarts_and_matches_one_by_four(tmp_path, regenerated):
   values = settings(regenerated, **{"mesh.fsdp": 2, "train.num_steps": 12})
   reference = tmp_path / "one_process"
   train_here(reference, values, devices=4)
-
-  straight = tmp_path / "straight"
-  with job(cli_args(straight, values), 2, 2, str(tmp_path), "straight") as two:
-    assert two.wait(TIMEOUT) == [0, 0], two.output(0)[-3000:]
-  # Four-term sums round differently across processes: the losses agree, not the bits.
-  want, got = losses(reference), losses(straight)
-  assert sorted(got) == list(range(1, 13))
-  np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
-                             rtol=1e-4)
 
   killed = tmp_path / "killed"
   with job(cli_args(killed, values), 2, 2, str(tmp_path), "killed") as two:
@@ -140,8 +131,12 @@ def test_two_by_two_matches_one_by_four_and_restarts_after_a_killed_peer(tmp_pat
     assert two.wait(TIMEOUT) == [0, 0], two.output(0)[-3000:]
   # Resumed from the last checkpoint (the progress bar starts there), not from scratch.
   assert re.search(r"(\d+)/12 \[", two.output(0)).group(1) == str(saved), two.output(0)[-3000:]
-  assert_heads_equal(killed, straight)
-  assert losses(killed) == got
+  # Four-term sums round differently across processes: the losses and heads agree, not the bits.
+  want, got = losses(reference), losses(killed)
+  assert sorted(got) == list(range(1, 13))
+  np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
+                             rtol=1e-4)
+  assert_heads_equal(killed, reference, atol=1e-4)
 
 
 def test_bad_process_flags_and_layouts_are_refused(tmp_path, regenerated):
