@@ -1,0 +1,407 @@
+"""The OpenAI-compatible server, through the `openai` client, on the embedded pair.
+
+Every answer is the engine's for that prompt alone (greedy token for token, whatever shares the
+slots; sampled reproducible from its seed), streamed text only ever extends a prefix of it, stop
+strings cut it, bad requests get OpenAI-shaped errors and the server goes on, a client that
+leaves frees its slot, and SIGTERM drains and exits with 0. One server runs as a subprocess
+(JetFlow, as `python -m jetflow_jax.serve` starts it); the other methods and a tokenizer with a
+chat template run in-process.
+"""
+
+import concurrent.futures
+import functools
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax.numpy as jnp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import CLI_ENV, ROOT
+from jetflow_jax import embedded
+from jetflow_jax.checkpoint import load_qwen3
+from jetflow_jax.engine import Orchestrator, Request, make_engine
+from jetflow_jax.head_checkpoint import load_head
+from jetflow_jax.serve import Server, create_app
+from jetflow_jax.serve.__main__ import main as serve_main
+from jetflow_jax.serve.textstream import TextStream
+from jetflow_jax.text import encode_chat, load_tokenizer
+from multiprocess import free_port
+
+MODEL = "jetflow-embedded"  # the served name, in-process too
+SLOTS = 4
+CONTEXT = 128
+MAX_TOKENS = 24
+ENGINE = dict(budget=16, top_k=4, num_slots=SLOTS, max_context=CONTEXT, rounds_per_step=2)
+FLAGS = ["--slots", str(SLOTS), "--max-context", str(CONTEXT), "--budget", "16", "--top-k", "4",
+         "--rounds-per-step", "2"]
+PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):",
+           "class Stack:\n    def __init__(self):", "def quicksort(items):\n    \"\"\"Sort",
+           "# Read a CSV file and", "def is_prime(n: int) -> bool:", "for i in range(10):\n",
+           "def merge(a, b):\n    result = []", "def parse_args(argv):",
+           "import json\n\n\ndef load(path):", "class Point:\n", "def main():\n    args ="]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def get(url: str) -> tuple[int, str]:
+  try:
+    with urllib.request.urlopen(url, timeout=30) as response:
+      return response.status, response.read().decode()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read().decode()
+
+
+def post(url: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
+  request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def metrics(url: str) -> dict:
+  """Every sample of /metrics by name and labels."""
+  status, text = get(f"{url}/metrics")
+  assert status == 200
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def settle(url: str) -> dict:
+  """/metrics once no slot is busy and nothing waits (a few seconds at most)."""
+  deadline = time.monotonic() + 20
+  while True:
+    m = metrics(url)
+    if m[("jetflow_active_slots", ())] == m[("jetflow_queue_depth", ())] == 0:
+      return m
+    assert time.monotonic() < deadline, "slots still busy"
+    time.sleep(0.1)
+
+
+class Subprocess:
+  """`python -m jetflow_jax.serve` on a free port; `url` waits until it answers."""
+
+  def __init__(self, log_path):
+    self.port = free_port()
+    self.log_path = log_path
+    with open(log_path, "w") as log:
+      self.process = subprocess.Popen(
+          [sys.executable, "-m", "jetflow_jax.serve", *FLAGS, "--port", str(self.port)],
+          cwd=ROOT, env=CLI_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+  @functools.cached_property
+  def url(self) -> str:
+    url, deadline = f"http://127.0.0.1:{self.port}", time.monotonic() + 300
+    while True:
+      assert self.process.poll() is None, open(self.log_path).read()
+      try:
+        if get(f"{url}/health")[0] == 200:
+          return url
+      except OSError:
+        pass
+      assert time.monotonic() < deadline, "the server did not come up"
+      time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  """The JetFlow server as a subprocess, started first so it compiles while this process works."""
+  served = Subprocess(tmp_path_factory.mktemp("serve") / "server.log")
+  yield served
+  if served.process.poll() is None:
+    served.process.kill()
+    served.process.wait()
+
+
+def client(url: str) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return load_tokenizer(embedded.default_target())
+
+
+@pytest.fixture(scope="module")
+def engine_for():
+  config, params = load_qwen3(embedded.default_target(), jnp.float32)  # as the CLI on CPU
+
+  @functools.cache
+  def build(method):
+    kind = {"ar": None, "dflash": "dflash", "ddtree": "dflash", "jetflow": "jetflow"}[method]
+    head, head_params = (load_head(embedded.default_head(kind), jnp.float32) if kind
+                         else (None, None))
+    return make_engine(params, config, head_params, head, method=method, **ENGINE)
+
+  return build
+
+
+@pytest.fixture(scope="module")
+def solo(tokenizer, engine_for):
+  """Each prompt's greedy tokens from the engine, one request at a time."""
+  orchestrator = Orchestrator(engine_for("ar"))
+  return {p: orchestrator.generate([Request(tokenizer.encode(p, add_special_tokens=False),
+                                            MAX_TOKENS)])[0].tokens for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def local(engine_for):
+  """In-process servers by method; the AR one's tokenizer has a chat template."""
+  running = []
+
+  @functools.cache
+  def start(method):
+    tokenizer = load_tokenizer(embedded.default_target())
+    tokenizer.chat_template = TEMPLATE if method == "ar" else None
+    app = create_app(engine_for(method), tokenizer, MODEL)
+    port = free_port()
+    uvicorn_server = Server(app, "127.0.0.1", port)
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    running.append((uvicorn_server, thread))
+    while not uvicorn_server.started:
+      assert thread.is_alive()
+      time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", app
+
+  yield start
+  for uvicorn_server, thread in running:
+    uvicorn_server.should_exit = True
+    thread.join(30)
+
+
+def test_a_completion_is_the_engines_output_for_the_prompt_alone(server, solo, tokenizer):
+  assert get(f"{server.url}/health")[0] == 200
+  assert [m.id for m in client(server.url).models.list().data] == [MODEL]
+  for prompt in PROMPTS[:2]:
+    answer = client(server.url).completions.create(model=MODEL, prompt=prompt,
+                                                   max_tokens=MAX_TOKENS, temperature=0)
+    choice = answer.choices[0]
+    assert choice.token_ids == solo[prompt]
+    assert choice.text == tokenizer.decode(solo[prompt], skip_special_tokens=True)
+    assert choice.finish_reason == "length"
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens,
+            answer.usage.total_tokens) == (prompt_tokens, MAX_TOKENS, prompt_tokens + MAX_TOKENS)
+
+
+def test_concurrent_requests_each_equal_their_output_alone(server, solo):
+  ask = lambda prompt: client(server.url).completions.create(
+      model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+  with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+    answers = list(pool.map(ask, PROMPTS))  # 12 requests over 4 slots
+  assert [a.choices[0].token_ids for a in answers] == [solo[p] for p in PROMPTS]
+
+
+def streamed(url: str, prompt: str, **options) -> tuple[list[str], str]:
+  """The pieces of a streamed completion, and its finish reason."""
+  pieces, reasons = [], []
+  for chunk in client(url).completions.create(model=MODEL, prompt=prompt, stream=True,
+                                              **options):
+    pieces.append(chunk.choices[0].text)
+    reasons.append(chunk.choices[0].finish_reason)
+  assert all(r is None for r in reasons[:-1])
+  return pieces, reasons[-1]
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree", "jetflow"])
+def test_streamed_text_is_always_a_prefix_of_the_answer(server, local, solo, tokenizer,
+                                                        method):
+  url = server.url if method == "jetflow" else local(method)[0]
+  prompt = PROMPTS[2]
+  answer = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                          temperature=0).choices[0].text
+  pieces, reason = streamed(url, prompt, max_tokens=MAX_TOKENS, temperature=0)
+  so_far = ["".join(pieces[:i + 1]) for i in range(len(pieces))]
+  assert all(answer.startswith(s) for s in so_far) and so_far[-1] == answer
+  assert answer == tokenizer.decode(solo[prompt], skip_special_tokens=True)
+  assert reason == "length" and len([p for p in pieces if p]) > 2
+
+
+def test_text_stops_before_a_stop_string(server, solo, tokenizer):
+  prompt = PROMPTS[1]
+  full = tokenizer.decode(solo[prompt], skip_special_tokens=True)
+  stop = full[10:16]  # early in the answer
+  before = metrics(server.url)[("jetflow_completion_tokens_total", ())]
+  expected = full[:full.index(stop)]
+  answer = client(server.url).completions.create(
+      model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+      stop=["never in the text", stop]).choices[0]
+  assert (answer.text, answer.finish_reason) == (expected, "stop")
+  pieces, reason = streamed(server.url, prompt, max_tokens=MAX_TOKENS, temperature=0, stop=stop)
+  assert ("".join(pieces), reason) == (expected, "stop")
+  # Both requests were cancelled at their stop string, well before max_tokens.
+  assert settle(server.url)[("jetflow_completion_tokens_total", ())] - before < 2 * MAX_TOKENS
+
+
+def test_text_stream_holds_back_half_characters_and_stop_string_starts(tokenizer):
+  decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+  ids = tokenizer.encode("中文 é ok", add_special_tokens=False)
+  text = TextStream(decode)
+  pieces = [text.push([i]) for i in ids] + [text.push([], final=True)]
+  assert "".join(pieces) == "中文 é ok" and all("\ufffd" not in p for p in pieces)
+  assert pieces[:3] == ["", "", "中"]  # its three bytes are three tokens
+
+  chars = lambda ids: "".join(map(chr, ids))
+  push = lambda text, s: text.push(list(map(ord, s)))
+  text = TextStream(chars, stop=["xyz", "bc"])
+  assert [push(text, s) for s in ["ab", "x", "y", "zq"]] == ["a", "b", "", ""]
+  assert text.stopped and text.text == "ab"
+  text = TextStream(chars, stop=["bc"])
+  assert [push(text, "ab"), push(text, "cd"), text.stopped, text.text] == ["a", "", True, "a"]
+  text = TextStream(chars, stop=["xyz"])  # the end releases what a stop string never took
+  assert [push(text, "ax"), text.push([], final=True), text.stopped] == ["a", "x", False]
+
+BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
+
+
+@pytest.mark.parametrize("path,body,status,message,param", [
+    ("completions", {"max_tokens": 4}, 400, "prompt: Field required", "prompt"),
+    ("chat/completions", {"max_tokens": 4}, 400, "messages: Field required", "messages"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "greater than or equal to 1",
+     "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("completions", {"prompt": list(range(100)), "max_tokens": 64}, 400,
+     "a prompt of 100 tokens plus max_tokens 64 exceeds the engine's context of 128", None),
+    ("completions", {"prompt": BIG}, 400, r"a prompt of \d{6} tokens", None),
+    ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, 400, "greater than 0", "top_p"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "less than or equal to 1", "top_p"),
+    ("completions", {"prompt": "x", "n": 2}, 400, "only n=1 is supported", "n"),
+    ("completions", {"prompt": "x", "stop": ["", "a"]}, 400, "must not be empty", "stop"),
+    ("completions", {"prompt": "x", "seed": -1}, 400, "seed must lie in", None),
+    ("completions", {"prompt": [1, 9000]}, 400, r"\[0, 8192\)", None),
+    ("completions", b'{"prompt": "x",', 400, "malformed JSON", None),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "'gpt-4' does not exist", "model"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400,
+     "has no chat template", "messages"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, path, body, status,
+                                                                message, param):
+  raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+  got, answer = post(f"{server.url}/v1/{path}", raw)
+  assert got == status
+  error = answer["error"]
+  assert set(error) == {"message", "type", "param", "code"}
+  assert error["type"] == "invalid_request_error" and error["param"] == param
+  assert re.search(message, error["message"]), error["message"]
+  assert client(server.url).completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                               temperature=0).choices[0].text is not None
+
+
+def test_metrics_count_requests_tokens_and_tau(server, tokenizer):
+  before = metrics(server.url)
+  for _ in range(2):
+    client(server.url).completions.create(model=MODEL, prompt=PROMPTS[0],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+  post(f"{server.url}/v1/completions", b"{}")
+  after = settle(server.url)
+  grew = lambda name, *labels: after[(name, labels)] - before.get((name, labels), 0.0)
+  assert grew("jetflow_requests_total", ("endpoint", "/v1/completions"), ("status", "200")) == 2
+  assert grew("jetflow_requests_total", ("endpoint", "/v1/completions"), ("status", "400")) == 1
+  assert grew("jetflow_completion_tokens_total") == 2 * MAX_TOKENS
+  assert grew("jetflow_prompt_tokens_total") == 2 * len(tokenizer.encode(PROMPTS[0], add_special_tokens=False))
+  assert grew("jetflow_step_seconds_count") > 0 and after[("jetflow_tau", ())] > 1.2
+
+
+def test_a_client_that_goes_away_frees_its_slot(server):
+  before = metrics(server.url)[("jetflow_completion_tokens_total", ())]
+  stream = client(server.url).completions.create(model=MODEL, prompt="x",
+                                                 max_tokens=CONTEXT - 1, temperature=0,
+                                                 stream=True)
+  next(iter(stream))
+  stream.close()
+  with pytest.raises(OSError):  # a non-streamed request whose client gives up
+    post(f"{server.url}/v1/completions",
+         json.dumps({"prompt": "x", "max_tokens": CONTEXT - 1, "temperature": 0}).encode(),
+         timeout=0.5)
+  after = settle(server.url)
+  # Cancelled early: far fewer tokens than asked for.
+  assert after[("jetflow_completion_tokens_total", ())] - before < CONTEXT - 1
+  assert after[("jetflow_requests_total", (("endpoint", "/v1/completions"),
+                                           ("status", "499")))] >= 1
+  assert client(server.url).completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                               temperature=0).choices[0].text is not None
+
+
+def test_chat_uses_the_tokenizers_chat_template(local):
+  url, _ = local("ar")
+  tokenizer = load_tokenizer(embedded.default_target())
+  tokenizer.chat_template = TEMPLATE
+  messages = [{"role": "system", "content": "You write Python."},
+              {"role": "user", "content": "def add(a, b):"}]
+  answer = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                               temperature=0)
+  plain = client(url).completions.create(model=MODEL, prompt=encode_chat(tokenizer, messages),
+                                         max_tokens=12, temperature=0).choices[0]
+  assert answer.choices[0].message.content == plain.text
+  assert answer.choices[0].token_ids == plain.token_ids and answer.object == "chat.completion"
+  chunks = list(client(url).chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=12, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.text
+  assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_sampled_requests_are_reproducible_from_their_seed(local, engine_for, tokenizer):
+  url, _ = local("ar")
+  ask = lambda seed: client(url).completions.create(
+      model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0.9, top_p=0.9,
+      seed=seed).choices[0].token_ids
+  alone = ask(11)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    in_company = list(pool.map(ask, [11, 12, 13, 11]))
+  assert in_company[0] == in_company[3] == alone
+  assert in_company[1] != alone or in_company[2] != alone
+  engine_alone = Orchestrator(engine_for("ar")).generate([Request(
+      tokenizer.encode(PROMPTS[3], add_special_tokens=False), 12, temperature=0.9, top_p=0.9,
+      seed=11)])[0].tokens
+  assert alone == engine_alone
+
+
+def test_a_draining_server_refuses_new_requests(local):
+  url, app = local("ar")
+  app.state.service.draining = True
+  try:
+    status, answer = post(f"{url}/v1/completions", json.dumps({"prompt": "x"}).encode())
+    assert status == 503 and "shutting down" in answer["error"]["message"]
+    assert answer["error"]["type"] == "server_error" and get(f"{url}/health")[0] == 503
+  finally:
+    app.state.service.draining = False
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--slots", "0"], "error: --slots must be >= 1 (got 0)"),
+    (["--max-context", "0"], "error: --max-context must be >= 2 (got 0)"),
+    (["--port", "http"], "error: argument --port: invalid int value: 'http'")])
+def test_bad_flags_give_one_error_line_and_exit_2(capsys, flags, message):
+  with pytest.raises(SystemExit) as exit_:
+    serve_main(flags)
+  assert exit_.value.code == 2 and capsys.readouterr().err.strip() == message
+
+
+def test_sigterm_drains_running_requests_and_exits_0(server):
+  """Last: it stops the shared server."""
+  url = server.url
+  chunks = iter(client(url).completions.create(model=MODEL, prompt=PROMPTS[0],
+                                               max_tokens=60, temperature=0, stream=True))
+  first = next(chunks)
+  start = time.monotonic()
+  server.process.send_signal(signal.SIGTERM)
+  rest = list(chunks)  # the running request finishes
+  assert server.process.wait(timeout=30) == 0 and time.monotonic() - start < 30
+  assert rest[-1].choices[0].finish_reason == "length"
+  assert len("".join(c.choices[0].text for c in [first, *rest])) > 0
+  with pytest.raises(OSError):
+    get(f"{url}/health")
