@@ -13,7 +13,8 @@ from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.sampling import Greedy
 from jetflow_jax.train.data import StoreBatches, fill_row, prompt_ids, read_jsonl, to_row
 from jetflow_jax.train.packing import make_plan
-from jetflow_jax.train.regenerate import jax_generator, local_mesh, regenerate, torch_generator
+from jetflow_jax.train.regenerate import local_mesh, regenerate
+from jetflow_jax.train.regenerate_backends import jax_batches, static_generator, torch_batches
 from jetflow_jax.train.store import ShardWriter, TokenStore
 
 
@@ -128,8 +129,8 @@ def test_regeneration_resumes_and_matches_generate(make_checkpoint, tmp_path):
   records = [{"id": f"p{i}", "prompt_ids": rng.integers(0, 90, int(rng.integers(3, 9))).tolist()}
              for i in range(7)]
   out = tmp_path / "store"
-  generator = lambda: jax_generator(params, config, max_new_tokens=6, sampler=Greedy())
-  kwargs = dict(batch_size=3, max_prompt_len=64)
+  generator = lambda: static_generator(jax_batches(params, config, Greedy()), 3)
+  kwargs = dict(max_new_tokens=6, max_prompt_len=64)
   assert regenerate(records[:4], str(out), generator, **kwargs) == 4
   shard = out / "shard-00000-of-00001"
   with open(shard / "tokens.i32", "ab") as f:  # a batch torn by a kill: tokens written,
@@ -154,11 +155,11 @@ def test_torch_regeneration_decodes_like_our_loop(make_checkpoint):
   config, params = jetflow_jax.load_qwen3(directory)
   rng = np.random.default_rng(1)
   prompts = [rng.integers(8, 90, n).tolist() for n in (3, 9, 5, 12)]
-  responses = torch_generator(directory, max_new_tokens=10, temperature=0.0)(prompts, 0)
-  assert responses == jax_generator(params, config, 10, Greedy())(prompts, 0)
+  responses = torch_batches(directory, temperature=0.0)(prompts, 10, 0)
+  assert responses == jax_batches(params, config, Greedy())(prompts, 10, 0)
   assert [len(r) for r in responses if r[-1] == 23 and len(r) < 10], "no row stopped early"
   with pytest.raises(InputError, match="Hugging Face checkpoint directory"):
-    torch_generator(str(directory) + "-missing", 4, 0.0)
+    torch_batches(str(directory) + "-missing", 0.0)
 
 
 def test_regeneration_splits_a_target_too_big_for_one_device(make_checkpoint):
@@ -170,8 +171,8 @@ def test_regeneration_splits_a_target_too_big_for_one_device(make_checkpoint):
   assert (mesh.size("data"), mesh.size("tp")) == (2, 2)
   _, split = jetflow_jax.load_qwen3(directory, shardings=mesh.param_shardings)
   prompts = [[5, 17, 3], [9, 1, 2, 3, 4, 5], [60, 61], [7, 8, 9, 10]]
-  want = jax_generator(params, config, 8, Greedy())(prompts, 0)
-  assert jax_generator(split, config, 8, Greedy(), mesh)(prompts, 0) == want
+  want = jax_batches(params, config, Greedy())(prompts, 8, 0)
+  assert jax_batches(split, config, Greedy(), mesh)(prompts, 8, 0) == want
   with pytest.raises(InputError, match="needs 3 devices a copy; this process has 4"):
     local_mesh("tp=3")
   with pytest.raises(InputError, match="names data"):

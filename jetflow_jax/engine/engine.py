@@ -6,6 +6,10 @@ few shapes compile) and samples its first token; `insert` copies that prefix int
 nothing) and hands back only the new tokens; `evict` frees a slot. The host loop that calls
 them is `engine.loop`.
 
+With a `DecodeMesh`, the slots split over its `data` axis (each device group runs its share of
+the slots against its own copy of the target, split over `tp` / `ep` as `mesh.param_shardings`
+places it); every function keeps the state there, and XLA partitions the rest.
+
 Randomness is per request: a slot's key is `key(seed)`, and every draw folds in the row's
 committed length at that point (unique per round), so a request's tokens depend on its seed
 alone, not on the slot it lands in or what shares the batch.
@@ -27,6 +31,7 @@ from jetflow_jax.engine.state import EngineState, Prefix, StepOutput
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import bucket_length, is_stop, stop_tokens_for
 from jetflow_jax.head_config import HeadConfig
+from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, params_dtype
 from jetflow_jax.sampling import RowSampling, make_sampler
 from jetflow_jax.speculative import (SpecState, TreeShape, commit_choices, draft_and_verify,
@@ -47,6 +52,16 @@ class Request:
   stop_tokens: Sequence[int] | None = None  # None: the target config's EOS ids
 
 
+def placed(state: EngineState, config: Qwen3Config, mesh: DecodeMesh | None) -> EngineState:
+  """`state` kept where `mesh` runs it: slots over `data`, the target's K/V also over kv heads."""
+  if mesh is None:
+    return state
+  shardings = jax.tree.map(lambda x: mesh.rows() if x.ndim else mesh.replicated(), state)
+  cache = jax.tree.map(lambda _: mesh.cache_sharding(config), state.rows.cache)
+  return jax.lax.with_sharding_constraint(
+      state, shardings.replace(rows=shardings.rows.replace(cache=cache)))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "drafter"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b, seed_b,
             sampling: RowSampling, stop_tokens, *, config: Qwen3Config,
@@ -63,8 +78,9 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_lengt
                 key_b=key_b, sampling=sampling, stop_tokens=stop_tokens)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def insert(state: EngineState, prefix: Prefix, slot) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+def insert(state: EngineState, prefix: Prefix, slot, *, config: Qwen3Config,
+           mesh: DecodeMesh | None = None) -> EngineState:
   """`prefix` into slot `slot` (traced): its rows, length, key and settings."""
 
   def put(full, one):  # one's row at the start of the slot's row
@@ -82,26 +98,31 @@ def insert(state: EngineState, prefix: Prefix, slot) -> EngineState:
       done_b=put(rows.done_b, done_b), cache=jax.tree.map(put, rows.cache, prefix.cache),
       drafter_state=jax.tree.map(put, rows.drafter_state, prefix.drafter_state),
       rng=put(rows.rng, prefix.key_b), rounds_b=rows.rounds_b.at[slot].set(0))
-  return state.replace(rows=rows, sampling=jax.tree.map(put, state.sampling, prefix.sampling),
-                       stop_tokens=put(state.stop_tokens, prefix.stop_tokens),
-                       reported_b=put(state.reported_b, prefix.prompt_length_b))
+  return placed(state.replace(rows=rows,
+                              sampling=jax.tree.map(put, state.sampling, prefix.sampling),
+                              stop_tokens=put(state.stop_tokens, prefix.stop_tokens),
+                              reported_b=put(state.reported_b, prefix.prompt_length_b)),
+                config, mesh)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def evict(state: EngineState, slot) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+def evict(state: EngineState, slot, *, config: Qwen3Config,
+          mesh: DecodeMesh | None = None) -> EngineState:
   """Frees slot `slot` (traced): a done row of length 1, so attention no longer reads it."""
   rows = state.rows
   rows = rows.replace(done_b=rows.done_b.at[slot].set(True),
                       lengths_b=rows.lengths_b.at[slot].set(1))
-  return state.replace(rows=rows, reported_b=state.reported_b.at[slot].set(1))
+  return placed(state.replace(rows=rows, reported_b=state.reported_b.at[slot].set(1)), config,
+                mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "tree_shape", "rounds", "impl",
-                                             "sampled", "filtered"),
+                                             "sampled", "filtered", "mesh"),
                    donate_argnames=("state",))
 def step(target_params, drafter_params, state: EngineState, *, config: Qwen3Config,
          drafter: Drafter, tree_shape: TreeShape, rounds: int, impl: str = "xla",
-         sampled: bool = True, filtered: bool = True) -> tuple[EngineState, StepOutput]:
+         sampled: bool = True, filtered: bool = True,
+         mesh: DecodeMesh | None = None) -> tuple[EngineState, StepOutput]:
   """`rounds` rounds over every slot, and the new tokens.
 
   The trip count is static and nothing branches on device values (`sampled` / `filtered`
@@ -116,6 +137,12 @@ def step(target_params, drafter_params, state: EngineState, *, config: Qwen3Conf
       # A row's committed length is new every round: with its request's key, a fresh draw.
       keys_b = jax.vmap(jax.random.fold_in)(s.rows.rng, s.rows.lengths_b)
       choices_bn = s.sampling(keys_b, verified.logits_bnv, sampled=sampled, filtered=filtered)
+    # Ties the commit's cache writes to the choices (never negative), hence after every layer's
+    # read of the cache. AR keeps the root whatever the choices: untied, XLA wrote first and
+    # copied each cache buffer twice a round to keep the reads intact (CPU: rounds 1.6x slower).
+    kv = jax.tree.map(lambda x_bnkh: jnp.where(choices_bn[:, :, None, None] >= 0, x_bnkh, 0),
+                      verified.kv)
+    verified = verified.replace(kv=kv)
     return s.replace(rows=commit_choices(drafter_params, s.rows, verified, choices_bn,
                                          drafter=drafter, stop_tokens=s.stop_tokens))
 
@@ -128,13 +155,14 @@ def step(target_params, drafter_params, state: EngineState, *, config: Qwen3Conf
   output = StepOutput(new_bw=jnp.take_along_axis(rows.tokens_bs, index_bw, axis=1),
                       num_new_b=rows.lengths_b - state.reported_b, done_b=rows.done_b,
                       rounds_b=rows.rounds_b)
-  return state.replace(reported_b=rows.lengths_b), output
+  return placed(state.replace(reported_b=rows.lengths_b), config, mesh), output
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "num_slots", "capacity",
-                                             "max_stop_tokens"))
+                                             "max_stop_tokens", "mesh"))
 def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: Drafter,
-               num_slots: int, capacity: int, max_stop_tokens: int) -> EngineState:
+               num_slots: int, capacity: int, max_stop_tokens: int,
+               mesh: DecodeMesh | None = None) -> EngineState:
   """Every slot free: done rows of length 1, zero caches."""
   size = capacity + drafter.depth + 1  # a round writes depth + 1 rows past what is committed
   taps = (jnp.zeros((num_slots, 1, len(drafter.tap_layers), config.hidden_size),
@@ -152,37 +180,45 @@ def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: D
       committed_br=jnp.zeros((num_slots, capacity), jnp.int32))
   sampling = RowSampling(temperature_b=jnp.zeros((num_slots,), jnp.float32), top_k_b=zeros_b,
                          top_p_b=jnp.ones((num_slots,), jnp.float32))
-  return EngineState(rows=rows, sampling=sampling,
-                     stop_tokens=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32),
-                     reported_b=zeros_b + 1)
+  return placed(EngineState(rows=rows, sampling=sampling,
+                            stop_tokens=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32),
+                            reported_b=zeros_b + 1), config, mesh)
 
 
 class Engine:
   """A target (and drafter) behind `num_slots` slots of `max_context` tokens each.
 
   Shapes are fixed here: slots, context, tree, rounds per step. `prefill` compiles once per
-  prompt bucket (powers of two from 16), `insert` likewise, `step` and `evict` once.
+  prompt bucket (powers of two from 16), `insert` likewise, `step` and `evict` once. With
+  `mesh`, `target_params` sit where `mesh.param_shardings` says and the slots (a multiple of
+  its `data` size) split over `data`; a prefill runs on every copy of the target.
   """
 
   def __init__(self, target_params, config: Qwen3Config, drafter: Drafter = NoDrafter(),
                drafter_params=None, *, tree_shape: TreeShape = TreeShape("root"),
                num_slots: int = 8, max_context: int = 1024, rounds_per_step: int = 4,
-               max_stop_tokens: int = 8, impl: str = "xla"):
+               max_stop_tokens: int = 8, impl: str = "xla", mesh: DecodeMesh | None = None):
     if num_slots < 1 or rounds_per_step < 1 or max_context < 2:
       raise InputError(f"an engine needs num_slots >= 1, rounds_per_step >= 1 and max_context "
                        f">= 2 (got {num_slots}, {rounds_per_step}, {max_context})")
+    if mesh is not None:
+      if num_slots % mesh.size("data"):
+        raise InputError(f"{num_slots} slots do not split over the mesh's {mesh.size('data')} "
+                         "data-parallel copies")
+      drafter_params = mesh.put(drafter_params, mesh.replicated())
     if tree_shape.kind == "top_n":
       validate_tree_args(drafter.depth, config.vocab_size, tree_shape.budget, tree_shape.top_k)
     self.target_params, self.config = target_params, config
     self.drafter, self.drafter_params = drafter, drafter_params
     self.tree_shape, self.num_slots, self.max_context = tree_shape, num_slots, max_context
     self.rounds_per_step, self.max_stop_tokens, self.impl = rounds_per_step, max_stop_tokens, impl
+    self.mesh = mesh
 
   def init_state(self) -> EngineState:
     """Every slot free."""
     return init_state(self.target_params, self.drafter_params, config=self.config,
                       drafter=self.drafter, num_slots=self.num_slots, capacity=self.max_context,
-                      max_stop_tokens=self.max_stop_tokens)
+                      max_stop_tokens=self.max_stop_tokens, mesh=self.mesh)
 
   def check(self, request: Request) -> tuple[int, ...]:
     """Raises InputError naming what does not fit; returns the request's stop ids."""
@@ -223,7 +259,7 @@ class Engine:
 
   def insert(self, state: EngineState, prefix: Prefix, slot: int) -> EngineState:
     """`prefix` into free slot `slot` (the state is donated)."""
-    return insert(state, prefix, np.int32(slot))
+    return insert(state, prefix, np.int32(slot), config=self.config, mesh=self.mesh)
 
   def step(self, state: EngineState, *, sampled: bool = True,
            filtered: bool = True) -> tuple[EngineState, StepOutput]:
@@ -232,11 +268,11 @@ class Engine:
     a cheaper variant, compiled apart."""
     return step(self.target_params, self.drafter_params, state, config=self.config,
                 drafter=self.drafter, tree_shape=self.tree_shape, rounds=self.rounds_per_step,
-                impl=self.impl, sampled=sampled, filtered=filtered)
+                impl=self.impl, sampled=sampled, filtered=filtered, mesh=self.mesh)
 
   def evict(self, state: EngineState, slot: int) -> EngineState:
     """Frees slot `slot` (the state is donated)."""
-    return evict(state, np.int32(slot))
+    return evict(state, np.int32(slot), config=self.config, mesh=self.mesh)
 
 
 def sampling_flags(requests: Sequence[Request]) -> dict[str, bool]:
@@ -251,7 +287,7 @@ def make_engine(target_params, target_config: Qwen3Config, head_params=None,
                 budget: int = 64, top_k: int = 7, attention: str = "xla",
                 warn: Callable[[str], None] = print, **options) -> Engine:
   """An engine running `method` (ar, dflash, ddtree, jetflow) as `speculative_generate` does;
-  `options` (num_slots, max_context, rounds_per_step, max_stop_tokens) go to `Engine`."""
+  `options` (num_slots, max_context, rounds_per_step, max_stop_tokens, mesh) go to `Engine`."""
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
   return Engine(target_params, target_config, drafter, head_params,
                 tree_shape=tree_shape_for(method, budget, top_k), impl=attention, **options)

@@ -37,10 +37,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.tokenizer = ""  # default: the target checkpoint directory
   c.data.seq_len = 3072
   c.data.max_new_tokens = 2048
-  c.data.regenerate_batch_size = 32
+  c.data.regenerate_batch_size = 32  # the engine's slots (jax), or a static batch's prompts
   c.data.regenerate_temperature = 0.0
   c.data.regenerate_seed = 0
-  c.data.regenerate_backend = "jax"  # or "torch": transformers' generate (HF checkpoints, CPU)
+  c.data.regenerate_backend = "jax"  # the engine; or jax_static, torch (see train/regenerate.py)
   c.data.regenerate_mesh = ""  # jax: "tp=T[,ep=E]" per copy of the target; copies fill the rest
   c.data.shuffle_seed = 0
   c.data.pack = True  # fill rows with whole samples (short chats would waste 3072-token rows)

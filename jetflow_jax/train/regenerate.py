@@ -1,22 +1,37 @@
 """Regenerate responses with the target itself, so the head learns the target's own outputs.
 
   python -m jetflow_jax.train.regenerate --target /models/Qwen3-8B --prompts prompts.jsonl \
-      --out STORE --max_new_tokens 2048 --batch_size 32
+      --out STORE --max_new_tokens 2048 --slots 32 [--head HEAD_DIR --method jetflow]
   # N processes (one per host): add --coordinator_address=HOST:PORT --num_processes=N
   # --process_id=I to each; on SLURM, Open MPI or a TPU pod JAX finds them by itself.
 
 The responses go into a token store (`store.py`). Process p of N regenerates prompts p,
 p + N, p + 2N, ... into shard p of N, on all of its local devices (data-parallel copies of
-the target, which must fit on one device); training reads the shards together.
-Resumable per shard: every finished batch is committed, records already in the shard (by
-id) are skipped, and the shard is marked complete once its share is done, so an
-interrupted run loses at most one batch. `--backend torch` decodes with transformers'
-`generate` instead (CPU, float32): on the 2-core CI machines it decodes small targets about
-twice as fast as our JAX loop at batch 64, where XLA's CPU matmuls are the bottleneck.
+the target, each split over `--mesh tp=T` devices when it does not fit on one); training
+reads the shards together. A record may carry its own `max_tokens` (else --max_new_tokens)
+and `stop` strings (one or a list): a response ends at the target's stop token, its
+`max_tokens`, or through the token that completes a stop string in its text
+(`regenerate_backends.finish`), whichever backend made it.
+
+Backends (`regenerate_backends.py`): `jax`, the continuous-batching engine (`--slots`
+requests at a time, a new one admitted as soon as one finishes; with `--head`, speculative,
+greedy output identical to AR); `jax_static`, our decode loop on sorted batches of
+`--batch_size`, each run to its longest `max_tokens`; `torch`, transformers' `generate`
+in static batches (CPU, float32: on the 2-core CI machines it decoded small targets about
+twice as fast as the static JAX loop at batch 64, where XLA's CPU matmuls are the bottleneck).
+
+`openai` (`regenerate_openai.py`) sends the prompts to OpenAI-compatible servers
+(`--server URL[,URL...]`, `--concurrency` requests at once); the ids of records whose tokens
+came from a server's text, not its token ids, are listed in the shard's `token_sources.jsonl`.
+
+Resumable per shard: finished records are committed as they come (the engine's out of
+order), records already in the shard (by id) are skipped, and the shard is marked complete
+once its share is done, so an interrupted run loses only the responses in flight.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, Sequence
 
@@ -24,19 +39,15 @@ import jax
 import tqdm
 
 from jetflow_jax import cli
-from jetflow_jax.checkpoint import is_converted
-from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import generate
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
-from jetflow_jax.sampling import Sampler
 from jetflow_jax.train.data import prompt_ids, record_id
+from jetflow_jax.train.regenerate_backends import Generator, Job, detokenizer
+from jetflow_jax.train.regenerate_openai import FromText
 from jetflow_jax.train.store import ShardWriter
 
-CACHE_ROUNDING = 16  # cache sizes a regeneration run may compile for: few, and nearly tight
-BACKENDS = ("jax", "torch")
-# (prompts, seed) -> each prompt's response token ids, its stop token included.
-BatchGenerator = Callable[[list[list[int]], int], list[list[int]]]
+BACKENDS = ("jax", "jax_static", "torch")  # on this process's devices; the CLI adds openai
+TOKEN_SOURCES = "token_sources.jsonl"  # per shard: {"id", "token_source": "text"} lines
 
 
 def local_mesh(model_axes: str = "") -> DecodeMesh:
@@ -55,86 +66,36 @@ def local_mesh(model_axes: str = "") -> DecodeMesh:
 
 
 def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
-  """The tokenizer in `directory` when some record has text rather than `prompt_ids`."""
-  if all("prompt_ids" in r for r in records):
+  """The tokenizer in `directory` when some record has text rather than `prompt_ids`, or stop
+  strings."""
+  if all("prompt_ids" in r and not r.get("stop") for r in records):
     return None
   from jetflow_jax.text import load_tokenizer  # transformers is slow to import
   return load_tokenizer(directory)
 
 
-def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-  """The longest prompt plus `max_new_tokens`, rounded up to a multiple of CACHE_ROUNDING.
-
-  Decoding reads the whole cache every step (on CPU, measured: a 512-slot cache decodes at
-  half the speed of a 320-slot one), so regeneration, which runs for hours, sizes it to fit
-  rather than to a power of two.
-  """
-  needed = max(len(p) for p in prompts) + max_new_tokens
-  return -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
-
-
-def jax_generator(target_params, target_config: Qwen3Config, max_new_tokens: int,
-                  sampler: Sampler, mesh: DecodeMesh | None = None) -> BatchGenerator:
-  """Our jitted decode loop, its cache sized to each batch; with `mesh` (a local mesh), the
-  batch is split over its data-parallel copies of the target."""
-  ways = 1 if mesh is None else mesh.size("data")
-  widest = 0
-
-  def generate_batch(prompts, seed):
-    nonlocal widest
-    widest = max(widest, -(-len(prompts) // ways) * ways)
-    # A short (last) batch is padded to the widest so far so it reuses the compiled shapes.
-    padded = list(prompts) + [prompts[-1]] * (widest - len(prompts))
-    return generate(target_params, target_config, padded, max_new_tokens, sampler=sampler,
-                    seed=seed, cache_size=tight_cache_size(padded, max_new_tokens),
-                    mesh=mesh).tokens[:len(prompts)]
-  return generate_batch
-
-
-def torch_generator(checkpoint_dir: str, max_new_tokens: int,
-                    temperature: float) -> BatchGenerator:
-  """transformers' `generate` on the same HF checkpoint, float32, prompts left-padded."""
-  if is_converted(checkpoint_dir) or not os.path.isfile(os.path.join(checkpoint_dir,
-                                                                       "config.json")):
-    raise InputError(f"the torch backend needs a Hugging Face checkpoint directory "
-                     f"(config.json + safetensors); {checkpoint_dir} is not one")
-  import torch
-  from transformers import Qwen3ForCausalLM
-  model = Qwen3ForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
-  eos = model.config.eos_token_id
-  stop = [eos] if isinstance(eos, int) else list(eos)
-  pad = model.config.pad_token_id if model.config.pad_token_id is not None else stop[0]
-
-  def generate_batch(prompts, seed):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-      ids[row, width - len(prompt):] = torch.tensor(prompt)
-      mask[row, width - len(prompt):] = 1
-    torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
-        if temperature > 0 else dict(do_sample=False)
-    with torch.no_grad():
-      out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                           eos_token_id=stop, pad_token_id=pad, **sampling)
-    responses = []
-    for row in out[:, width:].tolist():
-      end = next((i + 1 for i, token in enumerate(row) if token in stop), len(row))
-      responses.append(row[:end])
-    return responses
-  return generate_batch
+def job_for(record: dict[str, Any], index: int, tokenizer, max_new_tokens: int) -> Job:
+  """A record's prompt ids, token limit and stop strings; bad values raise InputError."""
+  rid = record_id(record, index)
+  max_tokens = record.get("max_tokens", max_new_tokens)
+  if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    raise InputError(f"record {rid}: max_tokens must be a positive integer (got {max_tokens!r})")
+  stop = record.get("stop") or ()
+  stop = (stop,) if isinstance(stop, str) else tuple(stop)
+  if not all(isinstance(s, str) and s for s in stop):
+    raise InputError(f"record {rid}: stop must be a string or a list of non-empty strings")
+  return Job(rid, index, prompt_ids(record, tokenizer, f"record {rid}"), max_tokens, stop)
 
 
 def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
-               make_generator: Callable[[], BatchGenerator], *, tokenizer=None, batch_size: int,
+               make_generator: Callable[[], Generator], *, tokenizer=None, max_new_tokens: int,
                max_prompt_len: int, seed: int = 0, shard: int = 0, num_shards: int = 1) -> int:
   """Regenerates this shard's share of `records` (every `num_shards`-th from `shard`) into
   shard `shard` of the store at `store_dir`; returns how many this call regenerated.
 
-  `make_generator()` returns `jax_generator(...)` or `torch_generator(...)`; it is called
-  only when something is left to regenerate (a finished shard loads no target). Prompts
-  longer than `max_prompt_len` tokens are skipped.
+  `make_generator()` returns a generator of `regenerate_backends`; it is called only when
+  something is left to regenerate (a finished shard loads no target). Every group of records
+  it finishes is committed at once. Prompts longer than `max_prompt_len` tokens are skipped.
   """
   if os.path.isfile(store_dir):
     raise InputError(f"the regeneration output must be a token store directory; {store_dir} is "
@@ -142,25 +103,25 @@ def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
   writer = ShardWriter(store_dir, shard, num_shards)
   pending, skipped = [], 0
   for index in range(shard, len(records), num_shards):
-    rid = record_id(records[index], index)
-    if rid not in writer.done_ids:
-      ids = prompt_ids(records[index], tokenizer, f"record {rid}")
-      if 0 < len(ids) <= max_prompt_len:
-        pending.append((rid, index, ids))
+    if record_id(records[index], index) not in writer.done_ids:
+      job = job_for(records[index], index, tokenizer, max_new_tokens)
+      if 0 < len(job.prompt) <= max_prompt_len:
+        pending.append(job)
       else:
         skipped += 1
-  # Similar lengths together: fewer padded slots and fewer prompt buckets to compile.
-  pending.sort(key=lambda item: len(item[2]))
-  generate_batch = make_generator() if pending else None
+  # Similar lengths together: fewer padded rows and fewer prompt buckets to compile.
+  pending.sort(key=lambda job: len(job.prompt))
+  groups = make_generator()(pending, seed) if pending else ()
   done = len(writer.done_ids)
   description = "regenerate" + (f" (shard {shard + 1}/{num_shards})" if num_shards > 1 else "")
   with tqdm.tqdm(total=done + len(pending), initial=done, desc=description, unit="prompt") as bar:
-    for start in range(0, len(pending), batch_size):
-      batch = pending[start:start + batch_size]
-      responses = generate_batch([ids for _, _, ids in batch], seed + start)
-      writer.append((rid, index, ids, response)
-                    for (rid, index, ids), response in zip(batch, responses, strict=True))
-      bar.update(len(batch))
+    for finished in groups:
+      # Marked before the commit: a committed record never lacks its mark.
+      if from_text := [job.rid for job, response in finished if isinstance(response, FromText)]:
+        with open(os.path.join(writer.path, TOKEN_SOURCES), "a") as f:
+          f.writelines(json.dumps({"id": rid, "token_source": "text"}) + "\n" for rid in from_text)
+      writer.append((job.rid, job.index, job.prompt, response) for job, response in finished)
+      bar.update(len(finished))
   writer.finish()
   writer.close()
   if skipped:
@@ -175,20 +136,70 @@ def _define_flags() -> None:
   flags.DEFINE_string("prompts", None, "JSONL of prompts / conversations")
   flags.DEFINE_string("out", None, "token store directory to regenerate into (resumable)")
   flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: --target)")
-  flags.DEFINE_integer("max_new_tokens", 2048, "tokens per response at most")
+  flags.DEFINE_integer("max_new_tokens", 2048, "tokens per response at most (a record's own "
+                       "max_tokens wins)")
   flags.DEFINE_integer("max_prompt_len", 1024, "longer prompts are skipped")
-  flags.DEFINE_integer("batch_size", 16, "prompts per batch (per process)")
+  flags.DEFINE_enum("backend", "jax", (*BACKENDS, "openai"), "jax: the continuous-batching "
+                    "engine; jax_static: our decode loop on static batches; torch: "
+                    "transformers; openai: OpenAI-compatible servers (--server)")
+  flags.DEFINE_integer("slots", 16, "jax backend: requests decoded at once (per process)")
+  flags.DEFINE_integer("batch_size", 16, "jax_static and torch backends: prompts per batch "
+                       "(per process)")
+  flags.DEFINE_string("head", None, "jax backends: a draft head (directory, hub id or training "
+                      "workdir) to regenerate speculatively; greedy output is AR's")
+  flags.DEFINE_enum("method", None, ("ar", "dflash", "ddtree", "jetflow"),
+                    "jax backends: default jetflow with --head, ar without")
+  flags.DEFINE_integer("budget", 64, "jax backends: tree nodes a round, root included")
   flags.DEFINE_float("temperature", 0.0, "0 is greedy")
   flags.DEFINE_integer("seed", 0, "sampling seed")
-  flags.DEFINE_string("dtype", "auto", "jax backend: auto (bfloat16 on GPU/TPU, float32 on "
+  flags.DEFINE_string("dtype", "auto", "jax backends: auto (bfloat16 on GPU/TPU, float32 on "
                       "CPU), float32 or bfloat16; torch runs float32")
-  flags.DEFINE_enum("backend", "jax", BACKENDS, "jax: our decode loop; torch: transformers")
   flags.DEFINE_integer("threads", 0, "torch backend: CPU threads (0: torch's default)")
-  flags.DEFINE_string("mesh", "", "jax backend: tp=T[,ep=E] splits each copy of the target over "
-                      "T x E of this process's devices (a target too big for one); copies "
+  flags.DEFINE_string("mesh", "", "jax backends: tp=T[,ep=E] splits each copy of the target "
+                      "over T x E of this process's devices (a target too big for one); copies "
                       "fill the rest")
+  flags.DEFINE_list("server", [], "openai backend: server URLs (http://HOST:PORT[/v1]); "
+                    "requests go to each in turn")
+  flags.DEFINE_integer("concurrency", 16, "openai backend: requests in flight (per process)")
+  flags.DEFINE_string("model", None, "openai backend: the served model's name")
+  flags.DEFINE_bool("request_token_ids", True, "openai backend: ask for the response's token "
+                    "ids (return_token_ids, as vLLM and our server take it); without them the "
+                    "text is tokenized")
   for name in ("target", "prompts", "out"):
     flags.mark_flag_as_required(name)
+
+
+def make_generator(backend: str, load_target: Callable, *, checkpoint: str, width: int,
+                   temperature: float = 0.0, mesh_axes: str = "", tokenizer=None,
+                   head: tuple = (None, None), method: str | None = None,
+                   budget: int = 64) -> Generator:
+  """The generator of `backend` (one of BACKENDS), its target loaded now.
+
+  `width`: the engine's slots, or a static batch's prompts. `load_target(shardings)` returns
+  the target's (config, params) placed by `shardings` (see `checkpoint.load_qwen3`); torch
+  reads the HF `checkpoint` itself. `tokenizer` turns responses into text for stop strings.
+  `head`: (HeadConfig, params) to regenerate speculatively with `method` (default jetflow with
+  a head, ar without).
+  """
+  from jetflow_jax.sampling import make_sampler
+  from jetflow_jax.train import regenerate_backends as backends
+  if backend not in BACKENDS:
+    raise InputError(f"unknown regeneration backend {backend!r}; choose from {BACKENDS}")
+  decode = detokenizer(tokenizer)
+  if backend == "torch":
+    return backends.static_generator(backends.torch_batches(checkpoint, temperature), width,
+                                     decode)
+  mesh = local_mesh(mesh_axes)
+  config, params = load_target(mesh.param_shardings)
+  head_config, head_params = head
+  method = method or ("jetflow" if head_config else "ar")
+  if backend == "jax":
+    return backends.engine_generator(params, config, head_params, head_config, method=method,
+                                     budget=budget, slots=width, temperature=temperature,
+                                     decode=decode, mesh=mesh)
+  batches = backends.jax_batches(params, config, make_sampler(temperature), mesh, head_params,
+                                 head_config, method, budget)
+  return backends.static_generator(batches, width, decode)
 
 
 def main(argv) -> None:
@@ -197,31 +208,42 @@ def main(argv) -> None:
 
   from jetflow_jax import distributed
   from jetflow_jax.checkpoint import load_qwen3
-  from jetflow_jax.sampling import make_sampler
+  from jetflow_jax.head_checkpoint import load_head
   from jetflow_jax.train.data import read_jsonl
+  from jetflow_jax.train.regenerate_openai import openai_generator
   f = flags.FLAGS
 
   def run():
     distributed.initialize_from_flags()
-    if f.batch_size < 1:
-      raise InputError(f"--batch_size must be >= 1 (got {f.batch_size})")
+    if min(f.slots, f.batch_size) < 1:
+      raise InputError(f"--slots and --batch_size must be >= 1 (got {f.slots}, {f.batch_size})")
     records = list(read_jsonl(f.prompts))
     tokenizer = tokenizer_if_needed(records, f.tokenizer or f.target)
     dtype = cli.parse_dtype(f.dtype)
 
-    def make_generator():
-      if f.backend == "torch":
+    def generator():
+      if f.backend == "openai":
+        from jetflow_jax.text import load_tokenizer
+        if not f.model:
+          raise InputError("the openai backend needs --model (the served model's name)")
+        return openai_generator(
+            f.server, model=f.model, concurrency=f.concurrency, temperature=f.temperature,
+            load_tokenizer=lambda: tokenizer or load_tokenizer(f.tokenizer or f.target),
+            decode=detokenizer(tokenizer),
+            request_token_ids=f.request_token_ids)
+      if f.backend == "torch" and f.threads:
         import torch
-        if f.threads:
-          torch.set_num_threads(f.threads)
-        return torch_generator(f.target, f.max_new_tokens, f.temperature)
-      mesh = local_mesh(f.mesh)
-      config, params = load_qwen3(f.target, dtype, mesh.param_shardings)
-      return jax_generator(params, config, f.max_new_tokens, make_sampler(f.temperature), mesh)
+        torch.set_num_threads(f.threads)
+      return make_generator(
+          f.backend, lambda shardings: load_qwen3(f.target, dtype, shardings),
+          checkpoint=f.target, width=f.slots if f.backend == "jax" else f.batch_size,
+          temperature=f.temperature, mesh_axes=f.mesh, tokenizer=tokenizer,
+          head=load_head(f.head, dtype) if f.head else (None, None), method=f.method,
+          budget=f.budget)
 
-    count = regenerate(records, f.out, make_generator, tokenizer=tokenizer,
-                       batch_size=f.batch_size, max_prompt_len=f.max_prompt_len, seed=f.seed,
-                       shard=jax.process_index(), num_shards=jax.process_count())
+    count = regenerate(records, f.out, generator, tokenizer=tokenizer,
+                       max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
+                       seed=f.seed, shard=jax.process_index(), num_shards=jax.process_count())
     print(f"regenerated {count} records into {f.out}")
 
   cli.run(run)

@@ -17,10 +17,9 @@ from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import abstract_head_params, load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
-from jetflow_jax.sampling import make_sampler
 from jetflow_jax.train.data import read_jsonl
-from jetflow_jax.train.regenerate import (BACKENDS, jax_generator, local_mesh, regenerate,
-                                          tokenizer_if_needed, torch_generator)
+from jetflow_jax.train.regenerate import (BACKENDS, make_generator, regenerate,
+                                          tokenizer_if_needed)
 from jetflow_jax.train.store import (TokenStore, convert_jsonl, converted_from, is_store,
                                      num_shards)
 
@@ -167,15 +166,10 @@ def regenerate_prompts(config: ml_collections.ConfigDict, store_dir: str) -> Non
   records = list(read_jsonl(d.prompts))
   tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
 
-  def make_generator():  # only when something is left to regenerate
-    if d.regenerate_backend == "torch":
-      return torch_generator(config.target.checkpoint, d.max_new_tokens,
-                             d.regenerate_temperature)
-    mesh = local_mesh(d.regenerate_mesh)
-    target, params = load_target(config, mesh.param_shardings)
-    return jax_generator(params, target, d.max_new_tokens, make_sampler(d.regenerate_temperature),
-                         mesh)
-
-  regenerate(records, store_dir, make_generator, tokenizer=tokenizer,
-             batch_size=d.regenerate_batch_size, max_prompt_len=d.seq_len - 2,
-             seed=d.regenerate_seed, shard=jax.process_index(), num_shards=jax.process_count())
+  generator = lambda: make_generator(  # only when something is left to regenerate
+      d.regenerate_backend, lambda shardings: load_target(config, shardings),
+      checkpoint=config.target.checkpoint, width=d.regenerate_batch_size,
+      temperature=d.regenerate_temperature, mesh_axes=d.regenerate_mesh, tokenizer=tokenizer)
+  regenerate(records, store_dir, generator, tokenizer=tokenizer, max_new_tokens=d.max_new_tokens,
+             max_prompt_len=d.seq_len - 2, seed=d.regenerate_seed, shard=jax.process_index(),
+             num_shards=jax.process_count())
