@@ -41,7 +41,7 @@ from jetflow_jax.bench.datasets import load_prompts  # noqa: E402
 from jetflow_jax.checkpoint import load_qwen3  # noqa: E402
 from jetflow_jax.head_checkpoint import load_head  # noqa: E402
 from jetflow_jax.sampling import Greedy  # noqa: E402
-from jetflow_jax.text import load_tokenizer  # noqa: E402
+from jetflow_jax.text import detokenizer, load_tokenizer  # noqa: E402
 from jetflow_jax.train import regenerate_backends as backends  # noqa: E402
 from jetflow_jax.train.regenerate import regenerate  # noqa: E402
 from jetflow_jax.train.store import TokenStore  # noqa: E402
@@ -86,7 +86,7 @@ def main():
   dtype = cli.parse_dtype("auto")
   config, params = load_qwen3(embedded.default_target(), dtype)
   tokenizer = load_tokenizer(embedded.default_target())
-  decode = backends.detokenizer(tokenizer)
+  decode = detokenizer(tokenizer)
   records = workload(tokenizer, args.prompts, args.max_prompt, args.seed)
   engine = lambda *head, **options: lambda: backends.engine_generator(
       params, config, *head, slots=args.slots, rounds_per_step=args.rounds_per_step,

@@ -92,7 +92,7 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
   batch, length = prompt_bt.shape
   rows = jnp.arange(batch)
   target_mesh = None if mesh is None else mesh.mesh
-  sharding = None if mesh is None else mesh.cache_sharding(config)
+  sharding = None if mesh is None else mesh.cache_sharding(config, batch)
   if length <= chunk:  # one pass; the cache is built around the rows' own K/V
     hidden_btd, prompt_kv, taps = forward(target_params, config, prompt_bt,
                                           tap_layers=tap_layers, mesh=target_mesh)

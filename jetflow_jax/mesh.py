@@ -126,9 +126,11 @@ class DecodeMesh:
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs(config, params),
                         is_leaf=lambda x: isinstance(x, P))
 
-  def cache_sharding(self, config: Qwen3Config) -> NamedSharding:
-    """Where a `[B, S, K, H]` KV cache buffer lives."""
-    return NamedSharding(self.mesh, P("data", None, self.kv_heads_axis(config), None))
+  def cache_sharding(self, config: Qwen3Config, batch: int | None = None) -> NamedSharding:
+    """Where a `[B, S, K, H]` KV cache buffer lives; a `batch` the data-parallel copies cannot
+    split (an engine's one-request prefill) is whole on every copy."""
+    rows = "data" if batch is None or batch % self.size("data") == 0 else None
+    return NamedSharding(self.mesh, P(rows, None, self.kv_heads_axis(config), None))
 
   def rows(self) -> NamedSharding:
     """Arrays whose leading axis is the batch."""

@@ -262,7 +262,10 @@ def _expert_parallel(mesh: Mesh, weights, x_btd, experts_btk, weights_btk):
   """The MoE block with experts split over `ep` and their MLP width over `tp` (see `MoE`)."""
   num_experts = weights[0].shape[0]
   local_experts = num_experts // mesh.shape["ep"]
-  rows = P("data") if "data" in mesh.axis_names else P()
+  # Rows split over data-parallel copies; a batch they cannot split (an engine's one-request
+  # prefill) runs whole on every copy.
+  split = "data" in mesh.axis_names and x_btd.shape[0] % mesh.shape["data"] == 0
+  rows = P("data") if split else P()
 
   def local(gate_edf, up_edf, down_efd, x_btd, experts_btk, weights_btk):
     local_btk = experts_btk - jax.lax.axis_index("ep") * local_experts

@@ -1,13 +1,16 @@
-"""Tokenizer access for the CLIs: prompt text -> ids (optionally chat-templated), ids -> text."""
+"""Tokenizer access: prompt text -> ids (optionally chat-templated), ids -> text, and where a
+response ends by its stop strings."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Callable, Sequence
 
-from jetflow_jax.errors import CheckpointError
+from jetflow_jax.errors import CheckpointError, InputError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+Decode = Callable[[list[int]], str]
 
 
 def load_tokenizer(directory: str):
@@ -32,6 +35,33 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
   if not chat:
     return tokenizer.encode(prompt, add_special_tokens=False)
   return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def detokenizer(tokenizer) -> Decode | None:
+  """Response ids to the text stop strings are matched on (special tokens left out, spaces as
+  the tokens have them: text that only grows with the ids, as `stop_end` needs)."""
+  return tokenizer and (lambda ids: tokenizer.decode(ids, skip_special_tokens=True,
+                                                     clean_up_tokenization_spaces=False))
+
+
+def stop_end(response: Sequence[int], stop: Sequence[str],
+             decode: Decode | None) -> int | None:
+  """How many tokens of `response` run through the one that completes its first stop string
+  (the smallest n whose text holds one), None if its text holds none.
+
+  Whole tokens, never a cut inside one: a response keeps the target's own tokens. A longer
+  response gives the same n, so a stream checked piece by piece ends where its whole is cut.
+  """
+  if stop and decode is None:
+    raise InputError("stop strings are matched on text: they need a tokenizer")
+  holds = lambda n: any(s in decode(list(response[:n])) for s in stop)
+  if not stop or not holds(len(response)):
+    return None
+  low, high = 1, len(response)
+  while low < high:  # text only grows with n: bisect for the first n that holds a stop string
+    middle = (low + high) // 2
+    low, high = (low, middle) if holds(middle) else (middle + 1, high)
+  return low
 
 
 def bundled_qwen3_tokenizer_dir() -> str:

@@ -21,6 +21,7 @@ import pytest
 import jetflow_jax
 from conftest import CLI_ENV, ROOT, make_hf_model
 from jetflow_jax import hf_params, speculative as spec
+from jetflow_jax.engine import Orchestrator, Request, make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import _compiled as compiled_ar, default_cache_size, generate
 from jetflow_jax.head import init_head_params
@@ -131,6 +132,22 @@ def test_greedy_over_the_mesh_equals_one_device(targets, kind, axes, method):
     cache_size = default_cache_size(config, PROMPTS, NEW_TOKENS)
     assert ar_cache_blocks(config, mesh, len(PROMPTS), cache_size) == {
         (len(PROMPTS), cache_size, config.num_key_value_heads, config.head_dim)}
+
+
+def test_engine_over_a_data_and_ep_mesh_equals_one_device(targets):
+  """The engine with slots over 2 data-parallel copies of an MoE target, each copy's experts
+  over ep=2: one-request prefills run whole on both copies, rounds split the slots."""
+  directory, config, _, reference = targets["moe"]
+  mesh = DecodeMesh.create(data=2, ep=2)
+  head, head_params = head_for(config, causal=True)
+  engine = make_engine(load_on(directory, mesh), config, head_params, head, method="jetflow",
+                       budget=8, top_k=3, num_slots=2, max_context=32, rounds_per_step=2,
+                       mesh=mesh, warn=lambda _: None)
+  streams = Orchestrator(engine).generate(
+      [Request(p, NEW_TOKENS, stop_tokens=()) for p in PROMPTS])
+  assert [s.tokens for s in streams] == reference
+  assert engine.init_state().rows.cache.k[0].sharding.is_equivalent_to(
+      mesh.cache_sharding(config), 4)
 
 
 def ar_cache_blocks(config, mesh, batch, cache_size) -> set:

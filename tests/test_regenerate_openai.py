@@ -17,7 +17,7 @@ from jetflow_jax.generate import generate
 from jetflow_jax.serve import Server, create_app
 from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.train.regenerate import TOKEN_SOURCES, regenerate
-from jetflow_jax.train.regenerate_backends import detokenizer
+from jetflow_jax.text import detokenizer
 from jetflow_jax.train.regenerate_openai import openai_generator
 from jetflow_jax.train.store import TokenStore
 from multiprocess import free_port

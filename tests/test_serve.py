@@ -33,7 +33,7 @@ from jetflow_jax.head_checkpoint import load_head
 from jetflow_jax.serve import Server, create_app
 from jetflow_jax.serve.__main__ import main as serve_main
 from jetflow_jax.serve.textstream import TextStream
-from jetflow_jax.text import encode_chat, load_tokenizer
+from jetflow_jax.text import detokenizer, encode_chat, load_tokenizer, stop_end
 from multiprocess import free_port
 
 MODEL = "jetflow-embedded"  # the served name, in-process too
@@ -238,6 +238,9 @@ def test_text_stops_before_a_stop_string(server, solo, tokenizer):
       model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
       stop=["never in the text", stop]).choices[0]
   assert (answer.text, answer.finish_reason) == (expected, "stop")
+  # Its ids and usage run through the token that completes the stop string, not past it.
+  used = solo[prompt][:stop_end(solo[prompt], [stop], detokenizer(tokenizer))]
+  assert answer.token_ids == used and answer.token_ids != solo[prompt]
   pieces, reason = streamed(server.url, prompt, max_tokens=MAX_TOKENS, temperature=0, stop=stop)
   assert ("".join(pieces), reason) == (expected, "stop")
   # Both requests were cancelled at their stop string, well before max_tokens.
@@ -384,7 +387,10 @@ def test_a_draining_server_refuses_new_requests(local):
 @pytest.mark.parametrize("flags,message", [
     (["--slots", "0"], "error: --slots must be >= 1 (got 0)"),
     (["--max-context", "0"], "error: --max-context must be >= 2 (got 0)"),
-    (["--port", "http"], "error: argument --port: invalid int value: 'http'")])
+    (["--port", "http"], "error: argument --port: invalid int value: 'http'"),
+    (["--mesh", "zz=2"], "error: --mesh: unknown axis 'zz' in 'zz=2'; axes are data, tp, ep"),
+    (["--mesh", "data=4", "--slots", "2"],
+     "error: 2 slots do not split over the mesh's 4 data-parallel copies")])
 def test_bad_flags_give_one_error_line_and_exit_2(capsys, flags, message):
   with pytest.raises(SystemExit) as exit_:
     serve_main(flags)

@@ -62,14 +62,14 @@ def placed(state: EngineState, config: Qwen3Config, mesh: DecodeMesh | None) -> 
       state, shardings.replace(rows=shardings.rows.replace(cache=cache)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter"))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "mesh"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b, seed_b,
-            sampling: RowSampling, stop_tokens, *, config: Qwen3Config,
-            drafter: Drafter) -> Prefix:
+            sampling: RowSampling, stop_tokens, *, config: Qwen3Config, drafter: Drafter,
+            mesh: DecodeMesh | None = None) -> Prefix:
   """One request (batch of 1) through the target and drafter, and its first token."""
   cache, logits_bv, drafter_state = prefill_rows(
       target_params, drafter_params, prompt_bt, prompt_length_b, prompt_bt.shape[1],
-      config=config, drafter=drafter)
+      config=config, drafter=drafter, mesh=mesh)
   key_b = jax.vmap(jax.random.key)(seed_b)
   # The prompt's length: below every length a round folds in (see `step`).
   first_b = sampling(jax.vmap(jax.random.fold_in)(key_b, prompt_length_b), logits_bv)
@@ -132,7 +132,7 @@ def step(target_params, drafter_params, state: EngineState, *, config: Qwen3Conf
 
   def one_round(s: EngineState) -> EngineState:
     verified = draft_and_verify(target_params, drafter_params, s.rows, config=config,
-                                drafter=drafter, tree_shape=tree_shape, impl=impl)
+                                drafter=drafter, tree_shape=tree_shape, impl=impl, mesh=mesh)
     with jax.named_scope("accept"):
       # A row's committed length is new every round: with its request's key, a fresh draw.
       keys_b = jax.vmap(jax.random.fold_in)(s.rows.rng, s.rows.lengths_b)
@@ -255,7 +255,7 @@ class Engine:
     return prefill(self.target_params, self.drafter_params, prompt_bt,
                    np.array([length], np.int32), np.array([length + request.max_tokens], np.int32),
                    np.array([request.seed], np.uint32), sampling, stop_tokens,
-                   config=self.config, drafter=self.drafter)
+                   config=self.config, drafter=self.drafter, mesh=self.mesh)
 
   def insert(self, state: EngineState, prefix: Prefix, slot: int) -> EngineState:
     """`prefix` into free slot `slot` (the state is donated)."""

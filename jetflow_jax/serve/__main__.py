@@ -2,6 +2,7 @@
 
   python -m jetflow_jax.serve                    # the embedded pair with its JetFlow head
   python -m jetflow_jax.serve --checkpoint Qwen/Qwen3-8B --head HEAD --slots 8 --port 8000
+  python -m jetflow_jax.serve --checkpoint Qwen/Qwen3-32B --head HEAD --mesh data=2,tp=4
   curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 SIGTERM stops taking requests, lets running ones finish (20 s at most) and exits with 0.
@@ -22,6 +23,7 @@ from jetflow_jax.engine import make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_checkpoint import load_head
 from jetflow_jax.kernels.tree_attention import attention_for_backend
+from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.serve.app import Server, create_app
 from jetflow_jax.speculative import METHODS
 from jetflow_jax.text import load_tokenizer
@@ -55,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or bfloat16")
   parser.add_argument("--attention", default="xla", choices=("xla", "pallas"),
                       help="pallas: the backend's kernel (on a GPU, the fast one)")
+  parser.add_argument("--mesh", default="", help="devices to serve over, e.g. data=2,tp=4 "
+                      "(slots split over data, the target over tp and ep); default: one")
   parser.add_argument("--host", default="127.0.0.1")
   parser.add_argument("--port", type=int, default=8000)
   return parser.parse_args(argv)
@@ -91,7 +95,8 @@ def main(argv=None) -> None:
     name = (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
             else EMBEDDED_NAME)
     checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
-    config, params = load_qwen3(checkpoint, dtype)
+    mesh = DecodeMesh.create(**parse_mesh(args.mesh)) if args.mesh else None
+    config, params = load_qwen3(checkpoint, dtype, None if mesh is None else mesh.param_shardings)
     head_config, head_params = (load_head(head, dtype) if head and method != "ar"
                                 else (None, None))
     tokenizer = load_tokenizer(checkpoint)
@@ -103,7 +108,7 @@ def main(argv=None) -> None:
         params, config, head_params, head_config, method=method, budget=args.budget,
         top_k=args.top_k, attention=attention_for_backend(args.attention, jax.default_backend()),
         num_slots=args.slots, max_context=max_context, rounds_per_step=args.rounds_per_step,
-        warn=lambda line: print(line, file=sys.stderr))
+        mesh=mesh, warn=lambda line: print(line, file=sys.stderr))
     print(f"serving {name} ({method}, {args.slots} slots of {max_context} tokens) on "
           f"http://{args.host}:{args.port} once compiled", file=sys.stderr, flush=True)
     Server(create_app(engine, tokenizer, name), args.host, args.port).run()

@@ -28,7 +28,7 @@ from jetflow_jax.serve.protocol import (FINISH_REASONS, ChatRequest, CompletionR
                                         GenerationParams, Reply, error_body, usage)
 from jetflow_jax.serve.service import Job, Service, Unavailable
 from jetflow_jax.serve.textstream import TextStream
-from jetflow_jax.text import encode_chat
+from jetflow_jax.text import detokenizer, encode_chat
 
 GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cancelled
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the slot's room
@@ -96,8 +96,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
   app = FastAPI(title="jetflow_jax", lifespan=lifespan)
   app.state.service = service
   app.add_middleware(CountRequests, metrics=metrics)
-  decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True,
-                                        clean_up_tokenization_spaces=False)
+  decode = detokenizer(tokenizer)
 
   @app.exception_handler(RequestValidationError)
   async def invalid(_, e: RequestValidationError):
@@ -171,7 +170,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
   async def respond(request: HTTPRequest, body: GenerationParams, prompt: list[int],
                     reply: Reply, max_tokens: int):
     text = TextStream(decode, body.stop)
-    counts = lambda: usage(len(prompt), len(text.tokens))
+    counts = lambda: usage(len(prompt), len(text.output_tokens))
     with_usage = body.stream_options is not None and body.stream_options.include_usage
     job = service.submit(Request(
         prompt, max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -195,7 +194,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
       job.cancel()
     if reason is None:
       return Response(status_code=499)  # the client closed the request
-    return reply.whole(text.text, reason, text.tokens, counts())
+    return reply.whole(text.text, reason, text.output_tokens, counts())
 
   return app
 

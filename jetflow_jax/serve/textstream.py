@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from jetflow_jax.text import stop_end
+
 INCOMPLETE = "\ufffd"  # what a byte-level decode gives for a character still missing bytes
 
 
@@ -42,6 +44,13 @@ class TextStream:
     new = full[len(self.text):end]
     self.text += new
     return new
+
+  @property
+  def output_tokens(self) -> list[int]:
+    """The tokens the answer used: through the one that completes the stop string, if one
+    was found (the engine may have made a few more before it was cancelled)."""
+    end = stop_end(self.tokens, self.stop, self.decode) if self.stopped else None
+    return self.tokens[:end]
 
   def _held_back(self, full: str) -> int:
     """Length of the longest end of `full` that begins some stop string."""

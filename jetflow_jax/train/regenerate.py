@@ -41,8 +41,9 @@ import tqdm
 from jetflow_jax import cli
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
+from jetflow_jax.text import detokenizer
 from jetflow_jax.train.data import prompt_ids, record_id
-from jetflow_jax.train.regenerate_backends import Generator, Job, detokenizer
+from jetflow_jax.train.regenerate_backends import Generator, Job
 from jetflow_jax.train.regenerate_openai import FromText
 from jetflow_jax.train.store import ShardWriter
 

@@ -21,6 +21,7 @@ from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.sampling import Sampler
 from jetflow_jax.speculative import speculative_generate
+from jetflow_jax.text import Decode, stop_end
 
 CACHE_ROUNDING = 16  # cache sizes a regeneration run may compile for: few, and nearly tight
 
@@ -40,34 +41,6 @@ Finished = list[tuple[Job, list[int]]]
 Generator = Callable[[Sequence[Job], int], Iterator[Finished]]
 # (prompts, max_new_tokens, seed) -> each prompt's response ids, its stop token included.
 BatchFn = Callable[[list[list[int]], int, int], list[list[int]]]
-Decode = Callable[[list[int]], str]
-
-
-def detokenizer(tokenizer) -> Decode | None:
-  """Response ids to the text stop strings are matched on (special tokens left out, spaces as
-  the tokens have them: text that only grows with the ids, as `stop_end` needs)."""
-  return tokenizer and (lambda ids: tokenizer.decode(ids, skip_special_tokens=True,
-                                                     clean_up_tokenization_spaces=False))
-
-
-def stop_end(response: Sequence[int], stop: Sequence[str],
-             decode: Decode | None) -> int | None:
-  """How many tokens of `response` run through the one that completes its first stop string
-  (the smallest n whose text holds one), None if its text holds none.
-
-  Whole tokens, never a cut inside one: the store keeps the target's own tokens. A longer
-  response gives the same n, so a stream checked piece by piece ends where its whole is cut.
-  """
-  if stop and decode is None:
-    raise InputError("stop strings are matched on text: they need a tokenizer")
-  holds = lambda n: any(s in decode(list(response[:n])) for s in stop)
-  if not stop or not holds(len(response)):
-    return None
-  low, high = 1, len(response)
-  while low < high:  # text only grows with n: bisect for the first n that holds a stop string
-    middle = (low + high) // 2
-    low, high = (low, middle) if holds(middle) else (middle + 1, high)
-  return low
 
 
 def finish(job: Job, response: Sequence[int], decode: Decode | None) -> list[int]:
