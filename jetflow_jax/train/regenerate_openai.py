@@ -21,7 +21,8 @@ import time
 from typing import Callable, Sequence
 
 from jetflow_jax.errors import InputError
-from jetflow_jax.train.regenerate_backends import Decode, Generator, Job, finish
+from jetflow_jax.text import Decode
+from jetflow_jax.train.regenerate_backends import Generator, Job, finish
 
 MAX_ATTEMPTS = 8
 BACKOFF_CAP_S = 60.0
