@@ -199,7 +199,7 @@ def test_cache_and_head_context_after_rounds_equal_ar_and_append_context(target,
 # --- sampling is lossless -----------------------------------------------------------------------
 
 SMALL_VOCAB = 8
-SAMPLES = 100_000
+SAMPLES = 60_000
 
 
 @pytest.fixture(scope="module")
