@@ -35,7 +35,7 @@ def run(main: Callable[[], None]) -> None:
     main()
   except JetflowError as e:
     print(f"error: {e}", file=sys.stderr)
-    distributed.exit_now(2)
+    distributed.exit_now(2, wait_for_peers=True)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     distributed.exit_now(130)

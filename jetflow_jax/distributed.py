@@ -162,11 +162,25 @@ def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...])
   return slice(int(starts[0]), int(stops[-1]))
 
 
-def exit_now(code: int) -> None:
-  """Exits at once: in a multi-process job, normal exit would wait for the peers at shutdown."""
+PEER_EXIT_WAIT_S = 20
+
+
+def exit_now(code: int, wait_for_peers: bool = False) -> None:
+  """Exits at once: in a multi-process job, normal exit would wait for the peers at shutdown.
+
+  `wait_for_peers` (an error every process meets, such as a bad config): first wait, at most
+  PEER_EXIT_WAIT_S, for the others to stop too. Process 0 holds the coordinator, and a peer
+  that loses it before reaching the same error aborts instead of reporting it.
+  """
   sys.stdout.flush()
   sys.stderr.flush()
   if _initialized:
+    if wait_for_peers:
+      try:
+        from jax._src import distributed as jax_distributed  # the coordinator's own barrier
+        jax_distributed.global_state.client.wait_at_barrier("exit", PEER_EXIT_WAIT_S * 1000)
+      except Exception:  # a peer that never comes (or is gone) only delays this exit
+        pass
     os._exit(code)
   sys.exit(code)
 

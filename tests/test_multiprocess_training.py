@@ -172,6 +172,36 @@ def test_bad_process_flags_and_layouts_are_refused(tmp_path, regenerated):
     assert not os.path.exists(tmp_path / name)
 
 
+SLOW_PEER = """
+import sys, time
+from jetflow_jax import cli, distributed
+from jetflow_jax.errors import InputError
+flags = dict(arg.lstrip("-").split("=") for arg in sys.argv[1:])
+
+def run():
+  distributed.initialize(flags["coordinator_address"], int(flags["num_processes"]),
+                         int(flags["process_id"]))
+  import jax
+  jax.devices()
+  if flags["process_id"] == "1":
+    time.sleep(3)  # slower to reach the error than process 0, which holds the coordinator
+  raise InputError("the same bad value on every process")
+
+cli.run(run)
+"""
+
+
+def test_an_error_every_process_meets_is_reported_by_each(tmp_path):
+  """Process 0 waits for its peers before exiting: one that lost the coordinator first would
+  abort (SIGABRT) instead of printing the error (seen in CI, once)."""
+  script = tmp_path / "slow_peer.py"
+  script.write_text(SLOW_PEER)
+  with job([str(script)], 2, 1, str(tmp_path), "slow_peer") as two:
+    assert two.wait(60) == [2, 2], two.output(1)[-2000:]
+  for p in range(2):
+    assert "error: the same bad value on every process" in two.output(p)
+
+
 def test_each_process_regenerates_its_shard_on_all_its_devices(tmp_path, make_checkpoint):
   directory, _ = make_checkpoint(num_hidden_layers=2)
   rng = np.random.default_rng(1)
