@@ -169,8 +169,9 @@ def exit_now(code: int, wait_for_peers: bool = False) -> None:
   """Exits at once: in a multi-process job, normal exit would wait for the peers at shutdown.
 
   `wait_for_peers` (an error every process meets, such as a bad config): first wait, at most
-  PEER_EXIT_WAIT_S, for the others to stop too. Process 0 holds the coordinator, and a peer
-  that loses it before reaching the same error aborts instead of reporting it.
+  PEER_EXIT_WAIT_S, for the others to stop too, and if they all do, leave the job together
+  (JAX's shutdown, which closes the coordinator last). Process 0 holds the coordinator, and a
+  peer that loses it first, before or after reaching the same error, aborts (SIGABRT).
   """
   sys.stdout.flush()
   sys.stderr.flush()
@@ -179,6 +180,7 @@ def exit_now(code: int, wait_for_peers: bool = False) -> None:
       try:
         from jax._src import distributed as jax_distributed  # the coordinator's own barrier
         jax_distributed.global_state.client.wait_at_barrier("exit", PEER_EXIT_WAIT_S * 1000)
+        jax.distributed.shutdown()
       except Exception:  # a peer that never comes (or is gone) only delays this exit
         pass
     os._exit(code)
