@@ -54,7 +54,7 @@ def records(prompts, greedy):
 
 
 def regenerated(records, store_dir, make_generator) -> list[list[int]]:
-  assert regenerate(records, str(store_dir), make_generator, max_new_tokens=8,
+  assert regenerate(records, str(store_dir), make_generator, max_new_tokens=max(MAX_TOKENS),
                     max_prompt_len=64) == len(records)
   return stored(store_dir)
 
@@ -77,6 +77,7 @@ def test_stop_strings_end_at_the_token_that_completes_them():
   assert job_for({"prompt_ids": [1], "stop": "\n\n"}, 0, None, 9).stop == ("\n\n",)
   with pytest.raises(InputError, match="record 7: max_tokens must be a positive integer"):
     job_for({"prompt_ids": [1], "max_tokens": 0}, 7, None, 9)
+  assert job_for({"prompt_ids": [1], "max_tokens": 50}, 7, None, 9).max_tokens == 9
   with pytest.raises(InputError, match="record x: stop must be a string or a list"):
     job_for({"id": "x", "prompt_ids": [1], "stop": [""]}, 0, None, 9)
 
@@ -123,11 +124,11 @@ def test_an_interrupted_run_loses_only_the_records_in_flight(target, records, en
     return three_groups
 
   with pytest.raises(KeyboardInterrupt):
-    regenerate(records, str(tmp_path), interrupted, max_new_tokens=8, max_prompt_len=64)
+    regenerate(records, str(tmp_path), interrupted, max_new_tokens=max(MAX_TOKENS), max_prompt_len=64)
   ids = (tmp_path / "shard-00000-of-00001" / "ids.txt").read_text().split()
   assert ids == committed and 3 <= len(ids) < len(records)
   assert regenerate(records, str(tmp_path), lambda: engine_generator(
-      params, config, slots=SLOTS, rounds_per_step=2, decode=decode), max_new_tokens=8,
+      params, config, slots=SLOTS, rounds_per_step=2, decode=decode), max_new_tokens=max(MAX_TOKENS),
       max_prompt_len=64) == len(records) - len(ids)
   assert stored(tmp_path) == engine_store
 

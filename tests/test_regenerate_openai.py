@@ -65,7 +65,7 @@ def test_our_server_regenerates_what_the_engine_does(target, tokenizer, ours, tm
   dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every request there is retried
   assert regenerate(records, str(tmp_path), lambda: openai_generator(
       [dead, ours], model="tiny", concurrency=3, load_tokenizer=pytest.fail, decode=decode,
-      backoff_s=0.01), max_new_tokens=8, max_prompt_len=64) == len(records)
+      backoff_s=0.01), max_new_tokens=max(MAX_TOKENS), max_prompt_len=64) == len(records)
 
   def kept(tokens, record):  # through the first token whose text holds the stop string
     ends = [n for n in range(1, len(tokens) + 1) if record.get("stop", "\0") in decode(tokens[:n])]

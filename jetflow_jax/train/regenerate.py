@@ -8,7 +8,7 @@
 The responses go into a token store (`store.py`). Process p of N regenerates prompts p,
 p + N, p + 2N, ... into shard p of N, on all of its local devices (data-parallel copies of
 the target, each split over `--mesh tp=T` devices when it does not fit on one); training
-reads the shards together. A record may carry its own `max_tokens` (else --max_new_tokens)
+reads the shards together. A record may carry its own `max_tokens` (at most --max_new_tokens)
 and `stop` strings (one or a list): a response ends at the target's stop token, its
 `max_tokens`, or through the token that completes a stop string in its text
 (`regenerate_backends.finish`), whichever backend made it.
@@ -76,7 +76,8 @@ def tokenizer_if_needed(records: Sequence[dict[str, Any]], directory: str):
 
 
 def job_for(record: dict[str, Any], index: int, tokenizer, max_new_tokens: int) -> Job:
-  """A record's prompt ids, token limit and stop strings; bad values raise InputError."""
+  """A record's prompt ids, token limit (its own `max_tokens`, at most `max_new_tokens`: the
+  longest sizes every slot's cache) and stop strings; bad values raise InputError."""
   rid = record_id(record, index)
   max_tokens = record.get("max_tokens", max_new_tokens)
   if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -85,7 +86,8 @@ def job_for(record: dict[str, Any], index: int, tokenizer, max_new_tokens: int) 
   stop = (stop,) if isinstance(stop, str) else tuple(stop)
   if not all(isinstance(s, str) and s for s in stop):
     raise InputError(f"record {rid}: stop must be a string or a list of non-empty strings")
-  return Job(rid, index, prompt_ids(record, tokenizer, f"record {rid}"), max_tokens, stop)
+  return Job(rid, index, prompt_ids(record, tokenizer, f"record {rid}"),
+             min(max_tokens, max_new_tokens), stop)
 
 
 def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
@@ -138,7 +140,7 @@ def _define_flags() -> None:
   flags.DEFINE_string("out", None, "token store directory to regenerate into (resumable)")
   flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: --target)")
   flags.DEFINE_integer("max_new_tokens", 2048, "tokens per response at most (a record's own "
-                       "max_tokens wins)")
+                       "max_tokens may ask for fewer)")
   flags.DEFINE_integer("max_prompt_len", 1024, "longer prompts are skipped")
   flags.DEFINE_enum("backend", "jax", (*BACKENDS, "openai"), "jax: the continuous-batching "
                     "engine; jax_static: our decode loop on static batches; torch: "
