@@ -6,7 +6,6 @@ and its records marked."""
 import http.server
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,13 +13,13 @@ import pytest
 from jetflow_jax.engine import make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import generate
-from jetflow_jax.serve import Server, create_app
-from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
+from jetflow_jax.serve import create_app
+from jetflow_jax.text import bundled_qwen3_tokenizer_dir, detokenizer, load_tokenizer
 from jetflow_jax.train.regenerate import TOKEN_SOURCES, regenerate
-from jetflow_jax.text import detokenizer
 from jetflow_jax.train.regenerate_openai import openai_generator
 from jetflow_jax.train.store import TokenStore
 from multiprocess import free_port
+from test_serve import serve_in_thread
 from test_speculative import target  # noqa: F401 (fixture)
 
 LENGTHS = [3, 5, 17, 9, 11, 13, 15, 7]
@@ -32,23 +31,16 @@ def tokenizer():
   return load_tokenizer(bundled_qwen3_tokenizer_dir())  # ids below 96: one byte each
 
 
-def serving(app) -> tuple[str, Server]:
-  server = Server(app, "127.0.0.1", free_port())
-  threading.Thread(target=server.run, daemon=True).start()
-  while not server.started:
-    time.sleep(0.05)
-  return f"http://127.0.0.1:{server.config.port}", server
-
-
 @pytest.fixture(scope="module")
 def ours(target, tokenizer):
   """Our server over the tiny target (AR, 4 slots)."""
   config, params = target
   engine = make_engine(params, config, method="ar", num_slots=4, max_context=64,
                        rounds_per_step=2)
-  url, server = serving(create_app(engine, tokenizer, "tiny"))
+  url, server, thread = serve_in_thread(create_app(engine, tokenizer, "tiny"))
   yield url
   server.should_exit = True
+  thread.join(30)
 
 
 def test_our_server_regenerates_what_the_engine_does(target, tokenizer, ours, tmp_path):

@@ -164,20 +164,28 @@ def local(engine_for):
     tokenizer = load_tokenizer(embedded.default_target())
     tokenizer.chat_template = TEMPLATE if method == "ar" else None
     app = create_app(engine_for(method), tokenizer, MODEL)
-    port = free_port()
-    uvicorn_server = Server(app, "127.0.0.1", port)
-    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
-    thread.start()
+    url, uvicorn_server, thread = serve_in_thread(app)
     running.append((uvicorn_server, thread))
-    while not uvicorn_server.started:
-      assert thread.is_alive()
-      time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", app
+    return url, app
 
   yield start
   for uvicorn_server, thread in running:
     uvicorn_server.should_exit = True
     thread.join(30)
+
+
+def serve_in_thread(app, timeout: float = 300) -> tuple[str, Server, threading.Thread]:
+  """`app` served on a free port by a daemon thread, once it answers (set `should_exit` to
+  stop it); fails if the server dies or is not up within `timeout` seconds."""
+  uvicorn_server = Server(app, "127.0.0.1", free_port())
+  thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + timeout
+  while not uvicorn_server.started:
+    assert thread.is_alive(), "the server stopped before it started"
+    assert time.monotonic() < deadline, "the server did not come up"
+    time.sleep(0.05)
+  return f"http://127.0.0.1:{uvicorn_server.config.port}", uvicorn_server, thread
 
 
 def test_a_completion_is_the_engines_output_for_the_prompt_alone(server, solo, tokenizer):

@@ -137,12 +137,6 @@ def step(target_params, drafter_params, state: EngineState, *, config: Qwen3Conf
       # A row's committed length is new every round: with its request's key, a fresh draw.
       keys_b = jax.vmap(jax.random.fold_in)(s.rows.rng, s.rows.lengths_b)
       choices_bn = s.sampling(keys_b, verified.logits_bnv, sampled=sampled, filtered=filtered)
-    # Ties the commit's cache writes to the choices (never negative), hence after every layer's
-    # read of the cache. AR keeps the root whatever the choices: untied, XLA wrote first and
-    # copied each cache buffer twice a round to keep the reads intact (CPU: rounds 1.6x slower).
-    kv = jax.tree.map(lambda x_bnkh: jnp.where(choices_bn[:, :, None, None] >= 0, x_bnkh, 0),
-                      verified.kv)
-    verified = verified.replace(kv=kv)
     return s.replace(rows=commit_choices(drafter_params, s.rows, verified, choices_bn,
                                          drafter=drafter, stop_tokens=s.stop_tokens))
 
