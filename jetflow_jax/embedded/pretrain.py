@@ -35,15 +35,6 @@ def model_config(vocab_size: int, eos_id: int):
       eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
 
 
-def tokenize_files(tokenizer, files: list[str], eos_id: int) -> np.ndarray:
-  """All files' token ids, each file followed by EOS, as one uint16 stream."""
-  ids = []
-  for name in files:
-    ids.extend(tokenizer.encode(corpus.read_source(name), add_special_tokens=False))
-    ids.append(eos_id)
-  return np.asarray(ids, np.uint16)
-
-
 def prepare_data(workdir: str, tokenizer_from: str | None = None):
   """Tokenizer and tokenized splits, built once and cached in the workdir.
 
@@ -75,25 +66,21 @@ def prepare_data(workdir: str, tokenizer_from: str | None = None):
                        ("train_lib", lib_files), ("train_test", test_files)):
     path = os.path.join(workdir, f"{split}_ids.npy")
     if not os.path.isfile(path):
-      np.save(path + ".tmp.npy", tokenize_files(tokenizer, files, eos_id))
+      np.save(path + ".tmp.npy", corpus.tokenize_files(tokenizer, files, eos_id))
       os.replace(path + ".tmp.npy", path)
     splits[split] = np.load(path)
   return tokenizer, splits
-
-
-def batch_windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int):
-  starts = rng.integers(0, len(ids) - seq_len - 1, size=batch)
-  return np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64)
 
 
 def training_batch(splits: dict, rng: np.random.Generator, batch: int, seq_len: int,
                    test_share: float | None) -> np.ndarray:
   """Windows drawn uniformly over all training files, or with a fixed share from test suites."""
   if test_share is None:
-    return batch_windows(splits["train"], rng, batch, seq_len)
+    return corpus.batch_windows(splits["train"], rng, batch, seq_len)
   num_test = round(batch * test_share)
-  return np.concatenate([batch_windows(splits["train_test"], rng, num_test, seq_len),
-                         batch_windows(splits["train_lib"], rng, batch - num_test, seq_len)])
+  return np.concatenate(
+      [corpus.batch_windows(splits["train_test"], rng, num_test, seq_len),
+       corpus.batch_windows(splits["train_lib"], rng, batch - num_test, seq_len)])
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -211,8 +198,9 @@ def main():
         f"{len(splits['heldout_modules']) / 1e6:.2f}M modules; step {step}/{total_steps}",
         flush=True)
 
-  eval_batches = {f"{split}_loss": [batch_windows(splits[split], np.random.default_rng(1000 + i),
-                                                  16, args.seq_len) for i in range(4)]
+  eval_batches = {f"{split}_loss": [corpus.batch_windows(splits[split],
+                                                         np.random.default_rng(1000 + i), 16,
+                                                         args.seq_len) for i in range(4)]
                   for split in ("heldout", "heldout_modules")}
   reference = None  # the --init-from model, kept frozen for the rollout terms
   if args.unlikelihood_batch:
