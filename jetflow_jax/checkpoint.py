@@ -6,11 +6,10 @@ import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jetflow_jax import hf_params, hub
+from jetflow_jax import hf_params, hub, partitioning
 from jetflow_jax.config import Qwen3Config, load_config
 from jetflow_jax.errors import CheckpointError
 from jetflow_jax.model import abstract_params
@@ -44,8 +43,7 @@ def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Confi
   placement = None if shardings is None else shardings(config, abstract)
   if is_converted(path):
     if placement is not None:
-      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              abstract, placement)
+      abstract = partitioning.abstract(abstract, placement)
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(os.path.join(path, PARAMS_SUBDIR), abstract)
   else:

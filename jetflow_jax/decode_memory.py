@@ -14,7 +14,6 @@ phase's peak (from XLA's dump) tell them apart, and the reported peak leaves the
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -26,32 +25,17 @@ import jax.numpy as jnp
 
 from jetflow_jax import cli, speculative
 from jetflow_jax.config import load_config
+from jetflow_jax.config_files import head_config, load_config_file, target_shape
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.generate import placed
 from jetflow_jax.head_checkpoint import abstract_head_params
+from jetflow_jax.memory_analysis import per_device_bytes, read_buffers, use_host_devices
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import abstract_params
 from jetflow_jax.sampling import Greedy
-from jetflow_jax.train import memory_report as train_report  # fake devices, buffer dumps
 
 GIB = 2**30
-
-
-def load_config_file(spec: str):
-  """`path.py[:arg]` -> its `get_config(arg)` (an ml_collections training config)."""
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise InputError(f"--config file not found: {path}")
-  module_spec = importlib.util.spec_from_file_location("decode_memory_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
-
-
-def _shard_bytes(tree) -> int:
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree))
 
 
 def analysis(compiled, dump_dir: str, module: str, bf16_arguments) -> dict:
@@ -61,8 +45,8 @@ def analysis(compiled, dump_dir: str, module: str, bf16_arguments) -> dict:
   stats = compiled.memory_analysis()
   total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-  buffers = train_report.read_buffers(dump_dir, compiled.as_text(), bf16_arguments,
-                                      limit=10**9, module=module)
+  buffers = read_buffers(dump_dir, compiled.as_text(), bf16_arguments, limit=10**9,
+                         module=module)
   copies = sum(b["bytes"] for b in buffers["largest_buffers"] if b["f32_copy_of_bf16_param"])
   return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
           "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
@@ -88,16 +72,15 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
                   top_k: int, context: int, dtype_name: str = "bfloat16",
                   checkpoint: str | None = None) -> dict:
   """Compiles prefill and the decode loop for this layout; returns per-device bytes."""
-  from jetflow_jax.train import setup
   config = load_config_file(config_spec)
   if checkpoint:
     config.unlock().target.checkpoint = checkpoint
   count = math.prod(mesh_sizes.values()) if mesh_sizes else 1
-  train_report.use_host_devices(count)
-  target, source = train_report.target_config(config)
+  use_host_devices(count)
+  target, source = target_shape(config)
   if checkpoint:
     target = load_config(os.path.expanduser(checkpoint))
-  head = setup.head_config(config, target)
+  head = head_config(config, target)
   mesh = DecodeMesh.create(**mesh_sizes)
   dtype = cli.parse_dtype(dtype_name)
   if batch % mesh.size("data"):
@@ -138,10 +121,10 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
       "batch": batch, "budget": budget, "top_k": top_k, "context": context,
       "prompt_len": prompt_len, "compile_seconds": round(seconds, 1),
       "per_device_bytes": {
-          "target weights": _shard_bytes(target_params),
-          "head weights": _shard_bytes(head_params),
-          "target KV cache": _shard_bytes(state.cache),
-          "head context cache": _shard_bytes(state.drafter_state),
+          "target weights": per_device_bytes(target_params),
+          "head weights": per_device_bytes(head_params),
+          "target KV cache": per_device_bytes(state.cache),
+          "head context cache": per_device_bytes(state.drafter_state),
           **phases},
       "kv_cache_split_over_tp": mesh.kv_heads_axis(target) is not None,
   }

@@ -1,4 +1,9 @@
-"""Head checkpoints: the reference's HF layout (import/export) and our training workdirs."""
+"""Head checkpoints: the reference's HF layout (import/export) and our training workdirs.
+
+A training workdir holds `head_config.json` (the reference layout) and orbax checkpoints
+under `checkpoints/<step>/`; decoding reads the head params of the latest one, training
+writes them (`train/checkpointing.py`).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,17 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
-from jetflow_jax import hf_params, hub
+from jetflow_jax import hf_params, hub, partitioning
 from jetflow_jax.config import read_config_json
+from jetflow_jax.errors import CheckpointError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.hf_params import Tensor
-from jetflow_jax.train.checkpointing import HEAD_CONFIG_FILE, restore_head_params
+
+HEAD_CONFIG_FILE = "head_config.json"  # a training workdir's head, in the reference layout
+CHECKPOINT_SUBDIR = "checkpoints"  # a training workdir's orbax checkpoints, one per step
 
 
 def head_tensors(config: HeadConfig) -> Iterator[Tensor]:
@@ -51,6 +60,20 @@ def workdir_head_config(workdir: str) -> HeadConfig | None:
     return None
   with open(path) as f:
     return HeadConfig.from_hf_dict(json.load(f), path)
+
+
+def restore_head_params(workdir: str, abstract_params):
+  """Head params of the latest checkpoint in a training workdir, on this process's first device
+  (whatever mesh and process count wrote them)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_SUBDIR)
+  with ocp.CheckpointManager(directory) as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise CheckpointError(f"{workdir} has no training checkpoint yet")
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(partitioning.abstract(abstract_params, device))))
+  return restored["params"]
 
 
 def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:

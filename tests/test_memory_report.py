@@ -6,8 +6,9 @@ import json
 import pytest
 
 from conftest import run_cli
+from jetflow_jax import config_files
 from jetflow_jax.errors import InputError
-from jetflow_jax.train import memory_report, setup
+from jetflow_jax.train import memory_report
 
 # A small vocabulary keeps the compile to seconds; the mesh's 2 devices are fake CPU devices
 # the report asks jax for (the CLI subprocess starts with one).
@@ -72,9 +73,9 @@ def test_published_shapes_fit_their_heads():
   from configs import qwen3_4b, qwen3_8b, qwen3_30b_a3b
   for module, layers in ((qwen3_8b, 36), (qwen3_4b, 36), (qwen3_30b_a3b, 48)):
     config = module.get_config()
-    target, source = memory_report.target_config(config)
+    target, source = config_files.target_shape(config)
     assert source == "target.shape" and target.num_hidden_layers == layers
-    setup.head_config(config, target)  # taps and widths fit the published shape
+    config_files.head_config(config, target)  # taps and widths fit the published shape
 
 
 def test_decode_memory_report_splits_over_tp_and_adds_up():

@@ -5,20 +5,16 @@ with items `params` and `opt_state`. The data position is the step itself (batch
 is row block s of the workdir's packing plan), so any process count restores it.
 Every process writes its own shards; orbax writes each step to a temporary directory
 and renames it when complete, so a run killed mid-save leaves the previous checkpoint
-intact.
+intact. Decoding reads a workdir's head through `head_checkpoint.load_head`.
 """
 
 from __future__ import annotations
 
 import os
 
-import jax
 import orbax.checkpoint as ocp
 
-from jetflow_jax.errors import CheckpointError
-
-HEAD_CONFIG_FILE = "head_config.json"
-CHECKPOINT_SUBDIR = "checkpoints"
+from jetflow_jax.head_checkpoint import CHECKPOINT_SUBDIR
 
 
 def checkpoint_manager(workdir: str, save_every: int, keep: int) -> ocp.CheckpointManager:
@@ -48,19 +44,3 @@ def restore(manager: ocp.CheckpointManager, abstract_params, abstract_opt_state)
       params=ocp.args.StandardRestore(abstract_params),
       opt_state=ocp.args.StandardRestore(abstract_opt_state)))
   return step, restored["params"], restored["opt_state"]
-
-
-def restore_head_params(workdir: str, abstract_params):
-  """Head params of the latest checkpoint in a training workdir, on this process's first device
-  (whatever mesh and process count wrote them)."""
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract_params = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
-  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_SUBDIR)
-  with ocp.CheckpointManager(directory) as manager:
-    step = manager.latest_step()
-    if step is None:
-      raise CheckpointError(f"{workdir} has no training checkpoint yet")
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params)))
-  return restored["params"]

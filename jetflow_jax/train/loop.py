@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import ml_collections
 import tqdm
 
-from jetflow_jax import cli, distributed
+from jetflow_jax import cli, distributed, partitioning
 from jetflow_jax.errors import ConfigError, InputError, JetflowError
 from jetflow_jax.head import RematPolicy
-from jetflow_jax.head_checkpoint import save_hf_head, workdir_head_config
+from jetflow_jax.head_checkpoint import HEAD_CONFIG_FILE, save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
 from jetflow_jax.model import ExpertsImpl
@@ -49,7 +49,7 @@ def _check_head_config(workdir: str, head: HeadConfig, write: bool = True) -> No
   existing = workdir_head_config(workdir)
   if existing is None:
     if write:  # whole or not at all: another process may be reading it
-      path = os.path.join(workdir, checkpointing.HEAD_CONFIG_FILE)
+      path = os.path.join(workdir, HEAD_CONFIG_FILE)
       with open(path + ".tmp", "w") as f:
         json.dump(head.to_hf_dict(), f, indent=2)
       os.replace(path + ".tmp", path)
@@ -154,10 +154,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      opt_state=optimizer.init(head_params))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.
   state = jax.device_put(state, param_sharding(mesh, state))
-  abstract = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-  restored = checkpointing.restore(manager, abstract(state.head_params),
-                                   abstract(state.opt_state))
+  keep = lambda tree: partitioning.abstract(tree, partitioning.KEEP)
+  restored = checkpointing.restore(manager, keep(state.head_params), keep(state.opt_state))
   start = 0
   if restored is not None:
     start, head_params, opt_state = restored

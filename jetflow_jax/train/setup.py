@@ -11,7 +11,8 @@ import ml_collections
 
 from jetflow_jax import cli, distributed, hf_params
 from jetflow_jax.checkpoint import is_converted, load_qwen3
-from jetflow_jax.config import Qwen3Config, load_config
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.config_files import head_config, target_config
 from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import abstract_head_params, load_head
@@ -24,16 +25,6 @@ from jetflow_jax.train.store import (TokenStore, convert_jsonl, converted_from, 
                                      num_shards)
 
 STORE_SUBDIR = "store"  # the workdir's token store (regenerated or converted)
-
-
-def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:
-  """The target's architecture, from its config.json (no weights read) or the random spec."""
-  if config.target.checkpoint:
-    return load_config(os.path.expanduser(config.target.checkpoint))
-  if config.target.random_init:
-    return Qwen3Config(**config.target.random.to_dict())
-  raise ConfigError("set target.checkpoint to a Qwen3 checkpoint directory "
-                    "(or target.random_init=True for a random test target)")
 
 
 def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
@@ -54,18 +45,6 @@ def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen
   leaf = "embedding" if model_config.tie_word_embeddings else "kernel"
   params[head][leaf] = params[head][leaf] * config.target.random_sharpness
   return model_config, params
-
-
-def head_config(config: ml_collections.ConfigDict, target: Qwen3Config) -> HeadConfig:
-  """The head described by `config.head`, checked against `target`."""
-  h = config.head
-  overrides = {name: h[name] for name in ("hidden_size", "intermediate_size") if h[name] > 0}
-  head = HeadConfig.for_target(target, num_layers=h.num_layers,
-                               target_layer_ids=tuple(h.target_layer_ids) or None,
-                               block_size=h.block_size, mask_token_id=h.mask_token_id,
-                               causal=h.causal, **overrides)
-  head.validate_for(target)
-  return head
 
 
 def initial_head_params(config: ml_collections.ConfigDict, head: HeadConfig) -> dict:
