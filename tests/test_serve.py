@@ -23,6 +23,7 @@ import urllib.request
 import jax.numpy as jnp
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import CLI_ENV, ROOT
@@ -91,13 +92,18 @@ def settle(url: str) -> dict:
 class Subprocess:
   """`python -m jetflow_jax.serve` on a free port; `url` waits until it answers."""
 
-  def __init__(self, log_path):
+  def __init__(self, log_path, flags=FLAGS, **env):
     self.port = free_port()
     self.log_path = log_path
     with open(log_path, "w") as log:
       self.process = subprocess.Popen(
-          [sys.executable, "-m", "jetflow_jax.serve", *FLAGS, "--port", str(self.port)],
-          cwd=ROOT, env=CLI_ENV, stdout=log, stderr=subprocess.STDOUT)
+          [sys.executable, "-m", "jetflow_jax.serve", *flags, "--port", str(self.port)],
+          cwd=ROOT, env={**CLI_ENV, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+  def stop(self) -> None:
+    if self.process.poll() is None:
+      self.process.kill()
+      self.process.wait()
 
   @functools.cached_property
   def url(self) -> str:
@@ -118,9 +124,7 @@ def server(tmp_path_factory):
   """The JetFlow server as a subprocess, started first so it compiles while this process works."""
   served = Subprocess(tmp_path_factory.mktemp("serve") / "server.log")
   yield served
-  if served.process.poll() is None:
-    served.process.kill()
-    served.process.wait()
+  served.stop()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -286,10 +290,40 @@ BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
      "a prompt of 100 tokens plus max_tokens 64 exceeds the engine's context of 128", None),
     ("completions", {"prompt": BIG}, 400, r"a prompt of \d{6} tokens", None),
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
-    ("completions", {"prompt": "x", "top_p": 0}, 400, "greater than 0", "top_p"),
+    ("completions", {"prompt": "x", "temperature": 2.5}, 400, "less than or equal to 2",
+     "temperature"),
+    ("completions", b'{"prompt": "x", "temperature": Infinity}', 400, "finite number",
+     "temperature"),
+    ("completions", {"prompt": "x", "top_p": -0.1}, 400, "greater than or equal to 0", "top_p"),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "less than or equal to 1", "top_p"),
-    ("completions", {"prompt": "x", "n": 2}, 400, "only n=1 is supported", "n"),
+    ("completions", {"prompt": "x", "max_tokens": True}, 400, "valid integer", "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 4.0}, 400, "valid integer", "max_tokens"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "valid boolean", "stream"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "only allowed when stream is true", "stream_options"),
+    ("completions", {"prompt": [1, True]}, 400, "a string or a list of token ids", "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "not supported yet: a list of prompts",
+     "prompt"),
+    ("completions", {"prompt": "x", "n": 2}, 400, "n: not supported yet: only 1 or null", "n"),
+    ("completions", {"prompt": "x", "logprobs": 5}, 400, "not supported yet", "logprobs"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "not supported yet", "echo"),
+    ("completions", {"prompt": "x", "best_of": 2}, 400, "not supported yet", "best_of"),
+    ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix: not supported", "suffix"),
+    ("completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "not supported", "logit_bias"),
+    ("completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "not supported",
+     "frequency_penalty"),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "response_format: not supported by this server", "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
+     "tools: not supported by this server", "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "not supported yet", "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "lone surrogate U\\+D800", "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
+     "a string or a list of text parts", "messages.0.content"),
     ("completions", {"prompt": "x", "stop": ["", "a"]}, 400, "must not be empty", "stop"),
+    ("completions", {"prompt": "x", "stop": ["\udfff"]}, 400, "lone surrogate", "stop"),
     ("completions", {"prompt": "x", "seed": -1}, 400, "seed must lie in", None),
     ("completions", {"prompt": [1, 9000]}, 400, r"\[0, 8192\)", None),
     ("completions", b'{"prompt": "x",', 400, "malformed JSON", None),
@@ -308,6 +342,135 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, path, bod
   assert re.search(message, error["message"]), error["message"]
   assert client(server.url).completions.create(model=MODEL, prompt="x", max_tokens=1,
                                                temperature=0).choices[0].text is not None
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_400(server):
+  """The issue's reproducer, as raw bytes: a lone UTF-16 surrogate is valid JSON."""
+  status, answer = post(f"{server.url}/v1/completions",
+                        b'{"prompt": "def f():\\ud800", "max_tokens": 4}')
+  assert status == 400 and answer["error"]["param"] == "prompt"
+  assert "lone surrogate U+D800 at character 8" in answer["error"]["message"]
+  assert "Traceback" not in open(server.log_path).read()
+
+
+def json_values():
+  """JSON of every shape: any code point in strings (lone surrogates, NULs), any number."""
+  text = st.text(st.characters(exclude_categories=(), include_characters="\x00\ud800\udfff"),
+                 max_size=8)
+  scalars = (st.none() | st.booleans() | st.integers() | st.floats() | text
+             | st.sampled_from([0, 1, -1, 2**31, 2**32, 2**63, 10**30, 1e308, -0.0]))
+  return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(text, inner, max_size=3), max_leaves=6)
+
+
+def near(*bounds):
+  """Numbers at, just inside and just past `bounds`, as ints, floats and impostors."""
+  values = [v for b in bounds for v in (b, float(b), b + 1e-9, b - 1e-9)]
+  return st.sampled_from(values + [True, False, None, "1", float("inf"), float("nan")])
+
+
+def request_bodies(chat: bool):
+  """Bodies of one route: valid ones, ones with values in, at and past every bound, any JSON."""
+  text = st.text(st.characters(exclude_categories=(), include_characters="\x00\ud800"),
+                 max_size=10)
+  valid_text = st.text(st.characters(exclude_categories=("Cs",), include_characters="\x00"),
+                       max_size=10)
+  any_json = json_values()
+  # Few tokens, so that each 200 is quick; chat's default is the whole slot: always set.
+  valid_max_tokens = st.integers(1, 3)
+  max_tokens = valid_max_tokens | st.sampled_from([0, -1, True, 2.0, "2", 2**31, 10**30])
+  valid = {
+      "temperature": st.sampled_from([0, 0.0, 0.5, 1, 2, None]),
+      "top_p": st.sampled_from([0, 0.5, 1, None]),
+      "seed": st.sampled_from([None, 0, 2**32 - 1]),
+      "stop": valid_text.filter(bool) | st.lists(valid_text.filter(bool), max_size=2),
+      "stream": st.booleans(), "n": st.sampled_from([1, None]), "model": st.just(MODEL),
+  }
+  edgy = {
+      "model": st.sampled_from([MODEL, "gpt-4", "", None]) | text,
+      "temperature": near(0, 2) | st.floats(-1, 3) | st.sampled_from([1e-30, 5e-324]),
+      "top_p": near(0, 1) | st.floats(-1, 2) | st.sampled_from([1e-300]),
+      "seed": near(0, 2**32) | st.integers(),
+      "stop": text | st.lists(text, max_size=3) | st.sampled_from([None, [], [""], 5]),
+      "stream": st.sampled_from([True, False, None, "yes", 1]),
+      "stream_options": st.sampled_from([None, {"include_usage": True},
+                                         {"include_usage": "no"}, {"x": 1}]),
+      "n": st.sampled_from([1, 2, 0, None, True]),
+      "user": text, "frequency_penalty": near(0), "logit_bias": any_json,
+  }
+  if chat:
+    def messages(text, content):
+      message = st.fixed_dictionaries(
+          {"role": st.sampled_from(["user", "system", "assistant"]) | text,
+           "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                             "text": text}), max_size=2)
+                      | content})
+      return st.lists(message, min_size=1, max_size=3)
+
+    valid_required = {"messages": messages(valid_text, st.nothing()),
+                      "max_tokens": valid_max_tokens}
+    required = {"messages": messages(text, any_json) | any_json, "max_tokens": max_tokens}
+    edgy.update(max_completion_tokens=max_tokens, logprobs=st.sampled_from([None, False, True]),
+                top_logprobs=near(0, 20), tools=any_json)
+  else:
+    valid_required = {"prompt": valid_text | st.lists(st.integers(0, 8191), min_size=1,
+                                                      max_size=6)}
+    required = {"prompt": text | st.lists(st.integers(-2, 8200), max_size=6)
+                | st.lists(text, max_size=2) | any_json}
+    valid.update(max_tokens=valid_max_tokens, echo=st.just(False), logprobs=st.none())
+    edgy.update(max_tokens=max_tokens, echo=st.sampled_from([False, True, None]),
+                logprobs=near(0, 5), best_of=st.sampled_from([1, 2, None]), suffix=any_json)
+  body = st.fixed_dictionaries(required, optional=edgy)
+  extra = st.dictionaries(text, any_json, max_size=2)
+  return st.one_of(st.fixed_dictionaries(valid_required, optional=valid), body,
+                   st.builds(lambda b, e: {**e, **b}, body, extra), any_json)
+
+
+def sse_events(raw: str) -> list:
+  assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
+  events = raw.split("\n\n")[:-2]
+  assert all(e.startswith("data: ") for e in events), raw[:300]
+  return [json.loads(e[len("data: "):]) for e in events]
+
+
+@settings(max_examples=120, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_any_request_body_gets_a_200_400_or_404_in_openai_shape(local, data):
+  url, _ = local("ar")
+  chat = data.draw(st.booleans(), label="chat")
+  body = data.draw(request_bodies(chat), label="body")
+  raw = json.dumps(body).encode()  # ASCII: lone surrogates travel as \ud800 escapes
+  request = urllib.request.Request(f"{url}/v1/{'chat/' if chat else ''}completions", raw,
+                                   {"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+      status, text = response.status, response.read().decode()
+  except urllib.error.HTTPError as e:
+    status, text = e.code, e.read().decode()
+  assert status in (200, 400, 404), text
+  event(f"{'chat' if chat else 'completions'}: {status}")  # --hypothesis-show-statistics
+  if status != 200:
+    assert set(json.loads(text)) == {"error"}
+    assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+  elif text.startswith("data: "):
+    for chunk in sse_events(text):
+      assert set(chunk) & {"choices", "error"}, chunk
+  else:
+    answer = json.loads(text)
+    assert answer["object"] == ("chat.completion" if chat else "text_completion")
+    assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] <= 16
+  assert get(f"{url}/health")[0] == 200
+
+
+def test_after_any_request_body_the_server_answers(local):
+  """Runs after the property test: both routes still answer a normal request."""
+  url, _ = local("ar")
+  assert client(url).completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                        temperature=0).choices[0].text is not None
+  assert client(url).chat.completions.create(
+      model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+      temperature=0).choices[0].message.content is not None
 
 
 def test_metrics_count_requests_tokens_and_tau(server, tokenizer):
@@ -405,17 +568,70 @@ def test_bad_flags_give_one_error_line_and_exit_2(capsys, flags, message):
   assert exit_.value.code == 2 and capsys.readouterr().err.strip() == message
 
 
+def raw_stream(url: str, body: dict) -> str:
+  """A streamed completion's whole SSE text (urllib: every event, errors included)."""
+  request = urllib.request.Request(f"{url}/v1/completions",
+                                   json.dumps({**body, "stream": True}).encode(),
+                                   {"Content-Type": "application/json"})
+  with urllib.request.urlopen(request, timeout=60) as response:
+    assert response.status == 200
+    return response.read().decode()
+
+
 def test_sigterm_drains_running_requests_and_exits_0(server):
-  """Last: it stops the shared server."""
+  """Last: it stops the shared server. Through the grace the socket stays open: new requests
+  get a 503, running ones (streamed or not) finish; then it exits 0 without a traceback."""
   url = server.url
-  chunks = iter(client(url).completions.create(model=MODEL, prompt=PROMPTS[0],
-                                               max_tokens=60, temperature=0, stream=True))
-  first = next(chunks)
-  start = time.monotonic()
-  server.process.send_signal(signal.SIGTERM)
-  rest = list(chunks)  # the running request finishes
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    whole = pool.submit(post, f"{url}/v1/completions", json.dumps(
+        {"prompt": PROMPTS[1], "max_tokens": 90, "temperature": 0}).encode())
+    chunks = iter(client(url).completions.create(model=MODEL, prompt=PROMPTS[0],
+                                                 max_tokens=90, temperature=0, stream=True))
+    first = next(chunks)
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # uvicorn looks at its exit flag every 0.1 s
+    status, refused = post(f"{url}/v1/completions", json.dumps({"prompt": "x"}).encode())
+    assert status == 503 and "shutting down" in refused["error"]["message"]
+    assert set(refused["error"]) == {"message", "type", "param", "code"}
+    assert get(f"{url}/health")[0] == 503
+    rest = list(chunks)  # the running requests finish
+    status, answer = whole.result(timeout=30)
+  assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
   assert server.process.wait(timeout=30) == 0 and time.monotonic() - start < 30
   assert rest[-1].choices[0].finish_reason == "length"
   assert len("".join(c.choices[0].text for c in [first, *rest])) > 0
   with pytest.raises(OSError):
     get(f"{url}/health")
+  assert "Traceback" not in open(server.log_path).read()
+
+
+def test_streams_still_running_when_the_grace_ends_get_an_error_event(tmp_path):
+  """A zero grace cuts at once: of four streams, one running and three waiting for the one
+  slot, each ends with an error event and [DONE], which the openai client raises."""
+  served = Subprocess(tmp_path / "server.log", ["--method", "ar", "--slots", "1",
+                                                 "--max-context", str(CONTEXT)],
+                      JETFLOW_SHUTDOWN_GRACE_S="0")
+  try:
+    url = served.url
+    body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      chunks = iter(client(url).completions.create(model=MODEL, stream=True, **body))
+      next(chunks)  # it holds the slot; the others wait for it
+      raws = [pool.submit(raw_stream, url, body) for _ in range(3)]
+      deadline = time.monotonic() + 20
+      while metrics(url)[("jetflow_queue_depth", ())] < 3:
+        assert time.monotonic() < deadline, "the streams were not queued"
+        time.sleep(0.02)
+      served.process.send_signal(signal.SIGTERM)
+      with pytest.raises(openai.APIError, match="shutting down"):
+        list(chunks)
+      texts = [raw.result(timeout=60) for raw in raws]
+    assert served.process.wait(timeout=30) == 0
+    for text in texts:
+      *_, last = sse_events(text)
+      assert set(last["error"]) == {"message", "type", "param", "code"}
+      assert "did not finish within the 0 s grace" in last["error"]["message"]
+    assert "Traceback" not in open(served.log_path).read()
+  finally:
+    served.stop()

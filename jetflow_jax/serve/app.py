@@ -1,7 +1,9 @@
 """The FastAPI app: OpenAI routes over a `Service`, errors in OpenAI's shape, and its server.
 
 Every request is validated before it reaches the engine (a 400 names what is wrong); a client
-that goes away cancels its request, so its slot frees for the next one.
+that goes away cancels its request, so its slot frees for the next one. A shutdown signal keeps
+the socket open through a grace period (new requests: 503) while running requests finish; those
+still running at its end get an error their client can read.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import os
 import random
+import time
 from typing import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -30,8 +35,13 @@ from jetflow_jax.serve.service import Job, Service, Unavailable
 from jetflow_jax.serve.textstream import TextStream
 from jetflow_jax.text import detokenizer, encode_chat
 
-GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cancelled
+GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cut
+GRACE_ENV = "JETFLOW_SHUTDOWN_GRACE_S"  # overrides GRACE_S (seconds)
+CUT_S = 5  # how long requests cut at the grace's end get to send their error
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the slot's room
+# Below this a temperature samples as greedy: float32 logits divided by a smaller one can
+# overflow, and the distribution is the argmax to that precision anyway.
+MIN_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
@@ -44,8 +54,10 @@ class APIError(Exception):
 
 
 def error(status: int, message: str, param: str | None = None,
-          code: str | None = None) -> JSONResponse:
-  return JSONResponse(error_body(message, status, param, code), status_code=status)
+          code: str | None = None) -> Response:
+  # ASCII JSON: a message quoting the client's input survives any code point in it.
+  return Response(json.dumps(error_body(message, status, param, code)), status,
+                  media_type="application/json")
 
 
 async def answer(job: Job, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
@@ -104,7 +116,9 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     if first["type"] == "json_invalid":
       return error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
     where = lambda err: ".".join(str(part) for part in err["loc"][1:])
-    return error(400, "; ".join(f"{where(err) or 'body'}: {err['msg']}" for err in e.errors()),
+    problem = lambda err: ("not supported by this server" if err["type"] == "extra_forbidden"
+                           else err["msg"])
+    return error(400, "; ".join(f"{where(err) or 'body'}: {problem(err)}" for err in e.errors()),
                  param=where(first) or None)
 
   @app.exception_handler(HTTPException)
@@ -145,8 +159,9 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: HTTPRequest):
     check_model(body)
-    prompt = (body.prompt if isinstance(body.prompt, list) else await asyncio.to_thread(
-        tokenizer.encode, body.prompt, add_special_tokens=False))
+    prompt = (body.prompt if isinstance(body.prompt, list)
+              else await tokenized("prompt", tokenizer.encode, body.prompt,
+                                   add_special_tokens=False))
     return await respond(request, body, prompt, Reply(model_name, chat=False),
                          body.max_tokens or DEFAULT_MAX_TOKENS)
 
@@ -156,11 +171,19 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     if not getattr(tokenizer, "chat_template", None):
       raise APIError(400, f"the tokenizer of {model_name} has no chat template; use "
                      "/v1/completions with a prompt instead", param="messages")
-    prompt = await asyncio.to_thread(encode_chat, tokenizer,
-                                     [m.model_dump() for m in body.messages])
+    prompt = await tokenized("messages", encode_chat, tokenizer,
+                             [{"role": m.role, "content": m.content} for m in body.messages])
     room = max(engine.max_context - len(prompt), 1)  # too long a prompt: check names its length
     return await respond(request, body, prompt, Reply(model_name, chat=True),
                          body.max_completion_tokens or body.max_tokens or room)
+
+  async def tokenized(field: str, encode, *args, **kwargs) -> list[int]:
+    """Token ids of a request's text; what the tokenizer (or chat template) refuses is a 400."""
+    try:
+      return await asyncio.to_thread(encode, *args, **kwargs)
+    except Exception as e:  # the tokenizer's own errors are of any type: TypeError, jinja's
+      raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__}: {e})",
+                     param=field) from None
 
   def check_model(body: GenerationParams) -> None:
     if body.model not in (None, model_name):
@@ -169,12 +192,18 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
   async def respond(request: HTTPRequest, body: GenerationParams, prompt: list[int],
                     reply: Reply, max_tokens: int):
+    if body.stream_options is not None and not body.stream:
+      raise APIError(400, "stream_options: only allowed when stream is true",
+                     param="stream_options")
     text = TextStream(decode, body.stop)
     counts = lambda: usage(len(prompt), len(text.output_tokens))
     with_usage = body.stream_options is not None and body.stream_options.include_usage
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if temperature < MIN_TEMPERATURE or top_p == 0:  # a nucleus of mass 0 is the top token
+      temperature, top_p = 0.0, 1.0
     job = service.submit(Request(
-        prompt, max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        prompt, max_tokens, temperature=temperature, top_p=top_p,
         seed=random.randrange(2**32) if body.seed is None else body.seed))
     # Once answered, or once the client has gone, the job is cancelled: its slot frees at once
     # (a no-op if it has finished).
@@ -211,24 +240,58 @@ async def stream(job: Job, text: TextStream, reply: Reply, counts) -> AsyncItera
   try:
     async for new, reason in answer(job, text):
       yield event(reply.chunk(new, reason))
-  except Unavailable as e:
+  except Unavailable as e:  # an error event, then the stream's usual end: clients read both
     yield event(error_body(str(e), 503))
+    yield "data: [DONE]\n\n"
     return
   if counts is not None:
     yield event(reply.usage_chunk(counts()))
   yield "data: [DONE]\n\n"
 
 
-class Server(uvicorn.Server):
-  """uvicorn for an app of `create_app`: a shutdown signal first turns new requests away (503),
-  then running ones have GRACE_S seconds to finish before they are cancelled."""
+def grace_seconds() -> float:
+  """The shutdown grace: GRACE_S, or $JETFLOW_SHUTDOWN_GRACE_S if set."""
+  value = os.environ.get(GRACE_ENV)
+  if value is None:
+    return GRACE_S
+  try:
+    seconds = float(value)
+    if not 0 <= seconds < math.inf:
+      raise ValueError(value)
+  except ValueError:
+    raise InputError(f"{GRACE_ENV} must be a number of seconds >= 0 (got {value!r})") from None
+  return seconds
 
-  def __init__(self, app: FastAPI, host: str, port: int):
+
+class Server(uvicorn.Server):
+  """uvicorn for an app of `create_app`: a shutdown signal turns new requests away (503) while
+  it still listens, lets running ones finish for `grace_s` seconds, then cuts those left with
+  an error (a 503, or an error event ending the stream) and closes."""
+
+  def __init__(self, app: FastAPI, host: str, port: int, grace_s: float | None = None):
     super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=GRACE_S))
+                                    timeout_graceful_shutdown=CUT_S))
     self.service: Service = app.state.service
+    self.grace_s = grace_seconds() if grace_s is None else grace_s
 
   def handle_exit(self, sig, frame) -> None:
     self.service.draining = True
     super().handle_exit(sig, frame)
 
+  async def shutdown(self, sockets=None) -> None:
+    await self._drain()
+    await super().shutdown(sockets)  # stops listening, closes idle connections, ends the app
+
+  async def _drain(self) -> None:
+    """Returns once no request runs; cuts the ones still running after the grace."""
+    self.service.draining = True
+    running = lambda: self.server_state.tasks and not self.force_exit
+    deadline = time.monotonic() + self.grace_s
+    while running() and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+    if running():
+      self.service.cut(f"the server is shutting down: the request did not finish within the "
+                       f"{self.grace_s:g} s grace")
+      deadline = time.monotonic() + CUT_S
+      while running() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)

@@ -1,61 +1,137 @@
-"""The OpenAI shapes: request bodies (validated) and the bodies of answers, whole or streamed."""
+"""The OpenAI shapes: request bodies (validated) and the bodies of answers, whole or streamed.
+
+Types are as strict as OpenAI's (a boolean is not an integer, numbers are finite), and a field
+this server does not act on is refused by name unless it holds the value that changes nothing
+(`n: 1`, `echo: false`, ...): a client never gets an answer that silently ignored what it asked.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 import uuid
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
+                      StrictInt, StrictStr)
+from pydantic_core import PydanticCustomError
 
-FINISH_REASONS = {"stop_token": "stop", "max_tokens": "length"}
+# The engine's `StopReason` (a str enum) -> OpenAI's finish_reason.
+FINISH_REASONS = {"stop_token": "stop", "max_tokens": "length", "cache_full": "length"}
 
 
-class StreamOptions(BaseModel):
-  include_usage: bool = False
+def encodable(text: str) -> str:
+  """`text`, if it is Unicode a tokenizer can take (JSON can carry a lone UTF-16 surrogate)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise PydanticCustomError(
+        "unencodable", "not valid Unicode: a lone surrogate U+{code} at character {at}",
+        {"code": f"{ord(text[e.start]):04X}", "at": e.start}) from None
+  return text
 
 
-class GenerationParams(BaseModel):
-  """What completions and chat share; unknown fields are ignored, as OpenAI's server does."""
+Text = Annotated[StrictStr, AfterValidator(encodable)]
+Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=2)]
+TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
 
-  model: str | None = None
-  max_tokens: int | None = Field(None, ge=1)
-  temperature: float | None = Field(None, ge=0)  # None: 1.0, OpenAI's default
-  top_p: float | None = Field(None, gt=0, le=1)
-  seed: int | None = None  # None: one drawn per request
-  stop: str | list[str] | None = Field(None, validate_default=True)  # a list once validated
-  n: int = 1
-  stream: bool = False
+
+def accepting_only(*values, later: bool = True):
+  """A field this server does not implement, taken only at a value that changes nothing."""
+
+  def check(value):
+    if not any(type(value) is type(v) and value == v for v in values):
+      shown = " or ".join("null" if v is None else repr(v).lower() if isinstance(v, bool)
+                          else repr(v) for v in values)
+      raise PydanticCustomError("unsupported", "{what}: only {shown} is accepted",
+                                {"what": "not supported yet" if later else "not supported",
+                                 "shown": shown})
+    return value
+
+  return Annotated[Any, BeforeValidator(check)]
+
+
+class Strict(BaseModel):
+  # Every field not declared is refused by name (see app.invalid), never dropped unread.
+  model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+  include_usage: StrictBool = False
+
+
+def stop_list(stop) -> list[str]:
+  """`stop` as a list of non-empty strings (OpenAI takes one string or a list)."""
+  stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+  if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+  if any(not s for s in stop):
+    raise PydanticCustomError("stop_empty", "stop strings must not be empty")
+  return [encodable(s) for s in stop]
+
+
+class GenerationParams(Strict):
+  """What completions and chat share."""
+
+  model: Text | None = None
+  max_tokens: StrictInt | None = Field(None, ge=1)
+  temperature: Temperature | None = None  # None: 1.0, OpenAI's default
+  top_p: TopP | None = None
+  seed: StrictInt | None = None  # None: one drawn per request
+  stop: Annotated[list[str], BeforeValidator(stop_list)] = []
+  stream: StrictBool | None = None
   stream_options: StreamOptions | None = None
+  n: accepting_only(1, None) = None
+  # Accepted at their neutral values, as clients send them by default.
+  frequency_penalty: accepting_only(0, 0.0, None, later=False) = None
+  presence_penalty: accepting_only(0, 0.0, None, later=False) = None
+  logit_bias: accepting_only({}, None, later=False) = None
+  user: Text | None = None  # the caller's end user, for their own tracking: nothing to do here
 
-  @field_validator("n")
-  @classmethod
-  def _one_choice(cls, n: int) -> int:
-    if n != 1:
-      raise ValueError(f"only n=1 is supported (got {n})")
-    return n
 
-  @field_validator("stop")
-  @classmethod
-  def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if any(not s for s in stop):
-      raise ValueError("stop strings must not be empty")
-    return stop
+def prompt_ids_or_text(prompt) -> str | list[int]:
+  """One prompt: text, or token ids; a list of prompts is refused until batching is served."""
+  if isinstance(prompt, str):
+    return encodable(prompt)
+  if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    return prompt
+  if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+    raise PydanticCustomError("unsupported", "not supported yet: a list of prompts (send one "
+                              "request per prompt)")
+  raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
 
 
 class CompletionRequest(GenerationParams):
-  prompt: str | list[int]  # text, or token ids
+  prompt: Annotated[str | list[int], BeforeValidator(prompt_ids_or_text)]
+  logprobs: accepting_only(None) = None
+  echo: accepting_only(False, None) = None
+  best_of: accepting_only(1, None) = None
+  suffix: accepting_only(None, "", later=False) = None
 
 
-class Message(BaseModel):
-  role: str
-  content: str
+def content_text(content) -> str:
+  """A message's content: a string, or a list of text parts, joined."""
+  if isinstance(content, str):
+    return encodable(content)
+  if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+    if all(part.keys() == {"type", "text"} and part["type"] == "text"
+           and isinstance(part["text"], str) for part in content):
+      return encodable("".join(part["text"] for part in content))
+    raise PydanticCustomError("unsupported", "not supported: content parts other than text "
+                              "(type text, with its text)")
+  raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+
+
+class Message(Strict):
+  role: Text
+  content: Annotated[str, BeforeValidator(content_text)]
 
 
 class ChatRequest(GenerationParams):
   messages: list[Message] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+  max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
+  logprobs: accepting_only(False, None) = None
+  top_logprobs: accepting_only(None) = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

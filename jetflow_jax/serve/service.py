@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from typing import AsyncIterator
 
 from jetflow_jax.engine import Engine, Orchestrator, Request, Stream
@@ -32,6 +33,7 @@ class Job:
     self._events: asyncio.Queue = asyncio.Queue()
     self.stream: Stream | None = None  # set by the engine thread once submitted
     self.cancelled = False
+    self.ended = False  # its pieces have ended (finished, failed or cut)
     self.finish_reason: str | None = None  # "stop_token", "max_tokens" or "cancelled"
 
   def cancel(self) -> None:
@@ -45,11 +47,17 @@ class Job:
     while True:
       kind, value = await self._events.get()
       if kind == "error":
+        self.ended = True
         raise Unavailable(value)
       if kind == "done":
-        self.finish_reason = value
+        self.finish_reason, self.ended = value, True
         return
       yield value
+
+  def cut(self, message: str) -> None:
+    """From its event loop: ends the pieces now with Unavailable(`message`), freeing the slot."""
+    self.cancel()
+    self._events.put_nowait(("error", message))
 
   def post(self, kind: str, value) -> None:
     """From the engine thread: ("tokens", piece), ("done", reason) or ("error", message)."""
@@ -69,6 +77,7 @@ class Service:
     self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
     self._ready = threading.Event()
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+    self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()  # submitted; gone once unreferenced
 
   def start(self) -> None:
     """Starts the engine thread; returns once its first step has compiled."""
@@ -97,8 +106,15 @@ class Service:
       raise Unavailable(self.error or "the server is shutting down")
     self.engine.check(request)
     job = Job(request, asyncio.get_running_loop())
+    self._jobs.add(job)
     self._inbox.put(job)
     return job
+
+  def cut(self, message: str) -> None:
+    """From the event loop: ends every job still running with `message` (a shutdown's end)."""
+    for job in list(self._jobs):
+      if not job.ended:
+        job.cut(message)
 
   def _run(self) -> None:
     orchestrator = Orchestrator(self.engine)
