@@ -7,8 +7,9 @@ Mesh axes (any may be 1):
 
 The KV cache splits over its kv heads along `tp` (replicated there when the target has
 fewer kv heads than `tp`); the draft head and everything else in the decode state is
-replicated. One rules table maps each parameter to its `PartitionSpec`; XLA inserts the
-collectives, except in MoE layers, which run their experts per shard (`model.MoE`).
+replicated. `RULES` maps the logical axes of every parameter, of the cache and of the batch
+(`partitioning.py`) to these mesh axes; XLA inserts the collectives, except in MoE layers,
+which run their experts per shard (`moe.MoE`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jetflow_jax import partitioning
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import InputError
 
 AXES = ("data", "tp", "ep")
+RULES: partitioning.Rules = {
+    "batch": "data",
+    "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp",  # the experts' MLP too
+    "experts": "ep",
+}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -86,55 +93,29 @@ class DecodeMesh:
 
   def kv_heads_axis(self, config: Qwen3Config) -> str | None:
     """`tp` when the kv heads split over it, None when each device keeps all of them."""
-    return "tp" if config.num_key_value_heads % self.size("tp") == 0 else None
+    spec = partitioning.spec(("kv_heads",), RULES, self.mesh, (config.num_key_value_heads,))
+    return spec[0] if spec else None
 
   def param_specs(self, config: Qwen3Config, params) -> dict:
     """A `PartitionSpec` for every leaf of the target's params."""
-    kv = self.kv_heads_axis(config)
-
-    def spec(path, leaf):
-      names = [getattr(key, "key", str(key)) for key in path]
-      name = "/".join(names)
-      if names[-1] == "scale":  # every RMSNorm
-        return P()
-      if name == "embed_tokens/embedding":
-        return P("tp", None)
-      if name == "lm_head/kernel":
-        return P(None, "tp")
-      if names[-2] == "q_proj":
-        return P(None, "tp", None)
-      if names[-2] in ("k_proj", "v_proj"):
-        return P(None, kv, None)
-      if names[-2] == "o_proj":
-        return P("tp", None, None)
-      if names[-2] == "experts":  # [E, D, F] or [E, F, D]
-        return P("ep", None, "tp") if names[-1] != "down_proj" else P("ep", "tp", None)
-      if names[-2] == "gate" and names[-3] == "mlp":  # the router
-        return P()
-      if names[-2] in ("gate_proj", "up_proj"):
-        return P(None, "tp")
-      if names[-2] == "down_proj":
-        return P("tp", None)
-      raise ValueError(f"no sharding rule for target parameter {name} {leaf.shape}")
-
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return partitioning.param_specs(params, RULES, self.mesh)
 
   def param_shardings(self, config: Qwen3Config, params):
     """`param_specs` as shardings, after `check`: whatever places a target on this mesh (its
     loading above all, before any weight is read) refuses a mesh it cannot take."""
     self.check(config)
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs(config, params),
-                        is_leaf=lambda x: isinstance(x, P))
+    return partitioning.shardings(self.mesh, self.param_specs(config, params))
 
   def cache_sharding(self, config: Qwen3Config, batch: int | None = None) -> NamedSharding:
     """Where a `[B, S, K, H]` KV cache buffer lives; a `batch` the data-parallel copies cannot
     split (an engine's one-request prefill) is whole on every copy."""
-    rows = "data" if batch is None or batch % self.size("data") == 0 else None
-    return NamedSharding(self.mesh, P(rows, None, self.kv_heads_axis(config), None))
+    shape = (batch, None, config.num_key_value_heads, None)
+    return NamedSharding(self.mesh, partitioning.spec(partitioning.CACHE_AXES, RULES, self.mesh,
+                                                      shape))
 
   def rows(self) -> NamedSharding:
     """Arrays whose leading axis is the batch."""
-    return NamedSharding(self.mesh, P("data"))
+    return NamedSharding(self.mesh, partitioning.spec(partitioning.ROWS_AXES, RULES, self.mesh))
 
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())

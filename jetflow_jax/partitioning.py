@@ -1,12 +1,113 @@
-"""Where arrays live: abstract values with shardings (one helper for every compile-ahead path)."""
+"""Where arrays live: logical axes, the rules that map them to mesh axes, and abstract values
+with shardings (one helper for every compile-ahead path).
+
+Every dimension of a parameter (target or head), of the KV cache and of the batch has a
+logical name, the axis alphabet spelled out: `batch` B, `sequence` T/S, `vocab` V, `embed` D,
+`taps` (the head's input, taps x D), `q_heads` N, `kv_heads` K, `head_dim` H, `mlp` F,
+`experts` E; None marks a dimension never split. Each mesh has its own rules, an ordered
+table from logical axis to mesh axes: the decode mesh (`mesh.py`) splits heads, MLP
+columns and the vocabulary over `tp` and experts over `ep`; the training mesh
+(`train/sharding.py`) splits each parameter over `fsdp`. `spec` reads a table; no
+`PartitionSpec` is written by hand anywhere else.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 KEEP = "keep"  # `abstract(tree, KEEP)`: each leaf where its array already is
+
+Axes = tuple[str | None, ...]  # one logical axis per dimension
+Rules = Mapping[str, str | tuple[str, ...]]  # logical axis -> mesh axis or axes, in preference
+
+CACHE_AXES: Axes = ("batch", "sequence", "kv_heads", "head_dim")  # a KV cache buffer [B, S, K, H]
+ROWS_AXES: Axes = ("batch",)  # the leading axis of batch-major arrays (tokens, lengths, ...)
+
+# (module, leaf) at the end of a parameter's path -> its logical axes.
+_PARAM_AXES: dict[tuple[str, str], Axes] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "q_heads", "head_dim"),
+    ("k_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("v_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("o_proj", "kernel"): ("q_heads", "head_dim", "embed"),
+    ("q_norm", "scale"): ("head_dim",),
+    ("k_norm", "scale"): ("head_dim",),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("experts", "gate_proj"): ("experts", "embed", "mlp"),
+    ("experts", "up_proj"): ("experts", "embed", "mlp"),
+    ("experts", "down_proj"): ("experts", "mlp", "embed"),
+    # The MoE router: every shard routes all of its rows, so the experts' logits stay whole.
+    ("gate", "kernel"): ("embed", None),
+    ("fc", "kernel"): ("taps", "embed"),  # the head's projection of the target's taps
+}
+
+
+def param_axes(names: Sequence[str], ndim: int) -> Axes:
+  """The logical axes of a target or head parameter, from the names on its path (the last two
+  name it, so an optimizer's moments of a parameter read the same)."""
+  key = tuple(names[-2:])
+  axes = _PARAM_AXES.get(key, ("embed",) if key[-1:] == ("scale",) else None)  # RMSNorms
+  if axes is None or len(axes) != ndim:
+    raise ValueError(f"no logical axes for parameter {'/'.join(names)} with {ndim} dimensions")
+  return axes
+
+
+def spec(axes: Axes, rules: Rules, mesh: Mesh | None = None,
+         shape: Sequence[int | None] | None = None) -> P:
+  """The `PartitionSpec` of an array whose dimensions have the logical `axes`, under `rules`.
+
+  The rules are read in order: a rule's mesh axes split the first dimension of its logical
+  axis, unless an earlier rule already took one of them (a mesh axis splits one dimension)
+  or, given `shape`, they do not divide its size (None: unknown, never refused); then a later
+  rule may take them. Mesh axes that `mesh` lacks are left out. An array none of whose axes
+  the rules name is P(); the others get one entry per dimension.
+  """
+  if not any(axis in rules for axis in axes):
+    return P()
+  entries: list = [None] * len(axes)
+  used: set[str] = set()
+  for name, target in rules.items():
+    mesh_axes = (target,) if isinstance(target, str) else tuple(target)
+    if mesh is not None:
+      mesh_axes = tuple(a for a in mesh_axes if a in mesh.shape)
+    if not mesh_axes or used & set(mesh_axes):
+      continue
+    ways = math.prod(mesh.shape[a] for a in mesh_axes) if mesh is not None else 1
+    for i, axis in enumerate(axes):
+      if axis != name or entries[i] is not None:
+        continue
+      if shape is not None and shape[i] is not None and shape[i] % ways:
+        continue
+      entries[i] = mesh_axes[0] if isinstance(target, str) else mesh_axes
+      used.update(mesh_axes)
+      break
+  return P(*entries)
+
+
+def param_specs(tree, rules: Rules, mesh: Mesh | None = None):
+  """A `PartitionSpec` for every leaf of a tree of parameters, or of anything holding them
+  (a train state, an optimizer state): each parameter by its logical axes, scalars P()."""
+  def leaf_spec(path, leaf):
+    shape = np.shape(leaf)
+    if not shape:
+      return P()
+    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+    return spec(param_axes(names, len(shape)), rules, mesh, shape)
+  return jax.tree_util.tree_map_with_path(leaf_spec, tree)
+
+
+def shardings(mesh: Mesh, specs):
+  """A tree of `PartitionSpec`s as `NamedSharding`s on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def abstract(tree, sharding=None):

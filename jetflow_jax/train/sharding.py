@@ -3,18 +3,29 @@
 The mesh spans every process's devices, in process order, so `fsdp` groups neighbouring
 devices (one host's, when fsdp is at most the devices per host) and each process feeds one
 contiguous run of the batch's rows. On one device every sharding is trivial and the step
-is plain jit.
+is plain jit. `RULES` maps the logical axes of the batch and of every parameter
+(`partitioning.py`) to these mesh axes.
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
+from jetflow_jax import partitioning
 from jetflow_jax.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
+RULES: partitioning.Rules = {
+    "batch": BATCH_AXES,
+    # A parameter splits over fsdp along its model width where fsdp divides it, else along the
+    # first of these axes it divides (replicated when none): fsdp gathers each parameter whole
+    # before use, so the axis only decides which parameters split evenly. A model-width split
+    # is also a run of whole HF rows or columns, so a sharded load reads just its bytes.
+    "embed": "fsdp", "vocab": "fsdp", "mlp": "fsdp", "experts": "fsdp", "taps": "fsdp",
+    "q_heads": "fsdp", "kv_heads": "fsdp",
+}
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, devices=None, num_processes: int | None = None) -> Mesh:
@@ -40,22 +51,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None, num_processes: int | 
 
 
 def param_sharding(mesh: Mesh, tree):
-  """Each leaf split over `fsdp` along its largest divisible axis; replicated otherwise."""
-  fsdp = mesh.shape["fsdp"]
-
-  def spec(leaf):
-    shape = leaf.shape
-    axes = sorted(range(len(shape)), key=lambda i: -shape[i])
-    for axis in axes:
-      if fsdp > 1 and shape[axis] % fsdp == 0:
-        return NamedSharding(mesh, P(*[("fsdp" if i == axis else None) for i in range(len(shape))]))
-    return NamedSharding(mesh, P())
-
-  return jax.tree.map(spec, tree)
+  """Each parameter of `tree` (params, or a train state holding them) split over `fsdp` as
+  `RULES` say; scalars replicated."""
+  return partitioning.shardings(mesh, partitioning.param_specs(tree, RULES, mesh))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(BATCH_AXES))
+  return NamedSharding(mesh, partitioning.spec(partitioning.ROWS_AXES, RULES, mesh))
 
 
 def check_batch(mesh: Mesh, batch_size: int, num_processes: int | None = None) -> None:
