@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetflow_jax import model
+from jetflow_jax import model, moe
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.train.step import LossConfig, make_loss_fn
@@ -28,7 +28,7 @@ def test_expert_blocks_give_each_pair_its_own_row_in_a_block_of_its_expert(block
   rng = np.random.default_rng(block)
   num_experts = 5
   for experts_p in routings(rng, num_experts):
-    rows_p, block_experts = (np.asarray(a) for a in model.expert_blocks(
+    rows_p, block_experts = (np.asarray(a) for a in moe.expert_blocks(
         jnp.asarray(experts_p), num_experts, block))
     num_pairs = len(experts_p)
     # The worst case: every expert's run ends one pair into a fresh block.
@@ -43,7 +43,7 @@ def test_expert_blocks_give_each_pair_its_own_row_in_a_block_of_its_expert(block
 
 @pytest.mark.parametrize("block", [3, 64])
 def test_blocked_experts_equal_ragged(block, monkeypatch):
-  monkeypatch.setattr(model, "EXPERT_BLOCK", block)  # 3: expert runs span several blocks
+  monkeypatch.setattr(moe, "EXPERT_BLOCK", block)  # 3: expert runs span several blocks
   params = model.init_params(MOE, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (3, 13), 0, MOE.vocab_size)
   ragged, _, _ = model.forward(params, MOE, tokens)

@@ -26,7 +26,7 @@ from jetflow_jax.head import RematPolicy
 from jetflow_jax.head_checkpoint import HEAD_CONFIG_FILE, save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
-from jetflow_jax.model import ExpertsImpl
+from jetflow_jax.moe import ExpertsImpl
 from jetflow_jax.train import checkpointing, setup
 from jetflow_jax.train.data import StoreBatches, batch_iterator
 from jetflow_jax.train.losses import LOSSES

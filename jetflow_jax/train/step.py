@@ -36,7 +36,7 @@ class LossConfig:
   head_dtype: Any = jnp.float32
   head_attention: str = "split"  # see head.training_hidden
   remat: str = "none"
-  target_experts: str = "blocked"  # the MoE target's grouped matmuls: see model.MoE
+  target_experts: str = "blocked"  # the MoE target's grouped matmuls: see moe.MoE
 
 
 class TargetPass(NamedTuple):
