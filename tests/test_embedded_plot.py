@@ -21,7 +21,7 @@ def test_a_chained_fine_tune_is_one_line_with_steps_counted_on(tmp_path, monkeyp
   second = _workdir(tmp_path / "second", [100, 200], [2.45, 2.4])
   alone = _workdir(tmp_path / "alone", [100], [2.7])
   figures = []
-  monkeypatch.setattr(plot, "_save", lambda fig, out: figures.append(fig) or out)
+  monkeypatch.setattr(plot, "save_figure", lambda fig, out: figures.append(fig) or out)
   plot.plot_rollout_finetunes(alone, f"{first},{second}", out=str(tmp_path / "p.png"))
   loss_axis = figures[0].axes[0]
   lines = {line.get_label(): line for line in loss_axis.lines}

@@ -33,7 +33,8 @@ def _pyplot():
   return plt
 
 
-def _save(fig, out: str) -> str:
+def save_figure(fig, out: str) -> str:
+  """Writes `fig` to `out` (its directory made) and returns `out`."""
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=110)
@@ -69,7 +70,7 @@ def plot_pretraining(*workdirs: str, out: str) -> str:
   ax.set_ylim(1.5, 6)
   ax.legend()
   ax.set_title("embedded target pre-training (CPU)")
-  return _save(fig, out)
+  return save_figure(fig, out)
 
 
 def _continued(workdirs) -> list[dict]:
@@ -106,7 +107,7 @@ def plot_heads(*workdirs: str, out: str) -> str:
          ylabel="top-1 agreement with the target", ylim=(0, 1),
          title="embedded heads: training agreement (running mean of 5 logs)")
   ax.legend(fontsize=7)
-  return _save(fig, out)
+  return save_figure(fig, out)
 
 
 def plot_rollout_finetunes(*workdirs: str, out: str) -> str:
@@ -136,7 +137,7 @@ def plot_rollout_finetunes(*workdirs: str, out: str) -> str:
       ax.axhline(bar, color="grey", linestyle=":", label=f"bar {bar}")
     ax.set(xlabel="fine-tuning step", title=title)
     ax.legend(fontsize=7)
-  return _save(fig, out)
+  return save_figure(fig, out)
 
 
 def main():
