@@ -7,8 +7,8 @@ logical name, the axis alphabet spelled out: `batch` B, `sequence` T/S, `vocab` 
 `experts` E; None marks a dimension never split. Each mesh has its own rules, an ordered
 table from logical axis to mesh axes: the decode mesh (`mesh.py`) splits heads, MLP
 columns and the vocabulary over `tp` and experts over `ep`; the training mesh
-(`train/sharding.py`) splits each parameter over `fsdp`. `spec` reads a table; no
-`PartitionSpec` is written by hand anywhere else.
+(`train/sharding.py`) splits each parameter over `fsdp`. `spec` reads a table: the specs of
+parameters, caches and batches are written nowhere else.
 """
 
 from __future__ import annotations
