@@ -18,30 +18,22 @@ import os
 import sys
 
 
-import jax
 
-from jetflow_jax import cli, distributed, embedded, hub
-from jetflow_jax.checkpoint import load_qwen3
-from jetflow_jax.kernels.tree_attention import attention_for_backend
-from jetflow_jax.mesh import DecodeMesh, parse_mesh
+from jetflow_jax import cli, distributed
+from jetflow_jax.decoding import StopReason, speculative_generate
+from jetflow_jax.decoding.state import check_context_window
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import check_context_window
-from jetflow_jax.head_checkpoint import load_head
+from jetflow_jax.mesh import parse_mesh
+from jetflow_jax.pair import add_model_flags, pair_from_flags
 from jetflow_jax.sampling import make_sampler
-from jetflow_jax.speculative import METHODS, speculative_generate
 from jetflow_jax.text import encode_prompt, load_tokenizer
+
+DIM, PLAIN = "\033[2m", "\033[0m"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--checkpoint", help="target: directory or hub id (default: the embedded "
-                      "model, with its JetFlow head)")
-  parser.add_argument("--head", help="draft head: reference-layout directory or hub id, or a "
-                      "training workdir")
-  parser.add_argument("--method", choices=METHODS,
-                      help="default: jetflow with a --head, ar without")
-  parser.add_argument("--budget", type=int, default=64, help="tree nodes, root included")
-  parser.add_argument("--top-k", type=int, default=7, help="tree candidates per depth")
+  add_model_flags(parser)
   prompt = parser.add_mutually_exclusive_group()
   prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the checkpoint)")
   prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
@@ -61,11 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="KV cache slots (default: fits prompt + max new tokens)")
   parser.add_argument("--allow-long-context", action="store_true",
                       help="run past the model's max_position_embeddings on purpose")
-  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"),
-                      help="pallas: the backend's kernel (Triton on GPU, Mosaic on TPU, "
-                      "interpreted on CPU)")
-  parser.add_argument("--mesh", default="", help="devices to decode over, e.g. tp=4,ep=2 "
-                      "(axes data, tp, ep; default: one device)")
   parser.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process)")
   parser.add_argument("--num_processes", type=int, help="processes in the job (multi-process)")
   parser.add_argument("--process_id", type=int, help="this process's index (multi-process)")
@@ -74,8 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "--mesh, print the per-device memory and exit")
   parser.add_argument("--config", help="with --memory_report: a training config file "
                       "(configs/NAME.py[:arg]) giving the target's and the head's shapes")
-  parser.add_argument("--dtype", default="auto",
-                      help="auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or bfloat16")
   return parser.parse_args(argv)
 
 
@@ -130,18 +115,11 @@ def main(argv=None) -> None:
     if args.batch_size < 1:
       raise InputError(f"--batch-size must be >= 1 (got {args.batch_size})")
     sampler = make_sampler(args.temperature, args.sample_top_k, args.top_p)
-    dtype = cli.parse_dtype(args.dtype)
-    checkpoint, head, compare_ar = args.checkpoint, args.head, args.compare_ar
-    if checkpoint is None:  # the embedded pair, and what its head buys on this prompt
-      checkpoint, head = embedded.default_target(), head or embedded.default_head("jetflow")
-      compare_ar = compare_ar or head is not None
-    method = args.method or ("jetflow" if head else "ar")
-    checkpoint, head = hub.resolve(checkpoint), head and hub.resolve(head)
-    attention = attention_for_backend(args.attention, jax.default_backend())
-    mesh = DecodeMesh.create(**parse_mesh(args.mesh)) if args.mesh else None
-    config, params = load_qwen3(checkpoint, dtype, None if mesh is None else mesh.param_shardings)
-    head_config, head_params = load_head(head, dtype) if head else (None, None)
-    prompts, tokenizer = read_prompts(args, checkpoint)
+    pair = pair_from_flags(args)
+    config, method = pair.config, pair.method
+    # The embedded pair shows what its head buys on this prompt.
+    compare_ar = args.compare_ar or (args.checkpoint is None and method != "ar")
+    prompts, tokenizer = read_prompts(args, pair.checkpoint)
     if bad := [t for p in prompts for t in p if not 0 <= t < config.vocab_size]:
       raise InputError(f"prompt token ids out of range [0, {config.vocab_size}): {bad[:10]}")
     if not args.allow_long_context:
@@ -149,6 +127,11 @@ def main(argv=None) -> None:
     detokenize = ((lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer
                   else (lambda ids: " ".join(map(str, ids))))
     printed = [""]
+    if not args.json:  # the prompt, dimmed on a terminal, then the continuation as it comes
+      shown = args.prompt if args.prompt is not None else detokenize(prompts[0])
+      dim = sys.stdout.isatty()
+      sys.stdout.write(f"{DIM}{shown}{PLAIN}" if dim else shown)
+      sys.stdout.flush()
 
     def stream(tokens):
       text = detokenize(tokens[0])
@@ -157,10 +140,10 @@ def main(argv=None) -> None:
       printed[0] = text
 
     run = lambda method, on_tokens=None: speculative_generate(
-        params, config, head_params, head_config, prompts, args.max_new_tokens, method=method,
-        budget=args.budget, top_k=args.top_k, sampler=sampler, seed=args.seed,
-        attention=attention, cache_size=args.cache_size, on_tokens=on_tokens,
-        warn=lambda line: print(line, file=sys.stderr), mesh=mesh)
+        pair.params, config, pair.head_params, pair.head_config, prompts, args.max_new_tokens,
+        method=method, budget=args.budget, top_k=args.top_k, sampler=sampler, seed=args.seed,
+        attention=pair.attention, cache_size=args.cache_size, on_tokens=on_tokens,
+        warn=lambda line: print(line, file=sys.stderr), mesh=pair.mesh)
     result = run(method, None if args.json else stream)
     summary = {
         "method": method,
@@ -171,7 +154,7 @@ def main(argv=None) -> None:
         "stop_reason": result.stop_reasons,
         "tau": round(result.tau, 4),
         "accepted_lengths": result.committed_per_round[0],
-        "num_target_forwards": result.num_target_forwards,
+        "num_target_forwards": result.num_forwards,
         "compile_s": round(result.compile_s, 4),
         "wall_s": round(result.wall_s, 4),
         "tokens_per_s": round(result.num_tokens / result.wall_s, 2),
@@ -187,14 +170,14 @@ def main(argv=None) -> None:
       print(json.dumps(summary))
     else:
       line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, "
-              f"{result.num_target_forwards} target forwards, tau {summary['tau']}, "
+              f"{result.num_forwards} target forwards, tau {summary['tau']}, "
               f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
       if compare_ar:
         line += (f"; {summary['speedup']}x over AR, "
                  f"{'identical to' if summary['identical_to_ar'] else 'differs from'} AR")
       print(line + "]", file=sys.stderr)
     for row, (reason, tokens) in enumerate(zip(result.stop_reasons, result.tokens)):
-      if reason == "cache_full":
+      if reason == StopReason.CACHE_FULL:
         print(f"row {row} stopped after {len(tokens)} of {args.max_new_tokens} tokens: the KV "
               "cache is full (raise --cache-size)", file=sys.stderr)
 

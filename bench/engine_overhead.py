@@ -34,10 +34,11 @@ import numpy as np  # noqa: E402
 
 from jetflow_jax import cli, embedded  # noqa: E402
 from jetflow_jax.checkpoint import load_qwen3  # noqa: E402
-from jetflow_jax.engine import Orchestrator, Request, make_engine, sampling_flags  # noqa: E402
+from jetflow_jax.decoding import speculative_generate  # noqa: E402
+from jetflow_jax.engine import Orchestrator, Request, make_engine  # noqa: E402
 from jetflow_jax.head_checkpoint import load_head  # noqa: E402
 from jetflow_jax.kernels.tree_attention import attention_for_backend  # noqa: E402
-from jetflow_jax.speculative import speculative_generate  # noqa: E402
+from jetflow_jax.sampling import sampling_flags  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):",
            "class Stack:\n    def __init__(self):", "def quicksort(items):\n    \"\"\"Sort",
@@ -108,14 +109,14 @@ def main():
     state = engine.init_state()
     for slot, request in enumerate(full):
       state = engine.insert(state, engine.prefill(request), slot)
-    return engine.step(state, **sampling_flags(full))[0]
+    return engine.step(state, **sampling_flags([r.sampler for r in full]))[0]
 
   def device_steps():
     state = fill()
     before = int(state.rows.num_forwards)
     start = time.perf_counter()
     for _ in range(args.steps):
-      state, _ = engine.step(state, **sampling_flags(full))
+      state, _ = engine.step(state, **sampling_flags([r.sampler for r in full]))
     jax.block_until_ready(state)
     return time.perf_counter() - start, int(state.rows.num_forwards) - before
 

@@ -35,7 +35,7 @@ import openai  # noqa: E402
 
 from jetflow_jax import embedded  # noqa: E402
 from jetflow_jax.bench.datasets import load_prompts  # noqa: E402
-from jetflow_jax.speculative import METHODS  # noqa: E402
+from jetflow_jax.decoding import METHODS  # noqa: E402
 from jetflow_jax.text import load_tokenizer  # noqa: E402
 
 MODEL = "jetflow-embedded"

@@ -16,11 +16,11 @@ on fresh inputs (pieces that donate their state get a copy made outside the cloc
 executables are compiled ahead of time, overlapped on a thread pool, before anything is timed.
 
 Pieces, per committed length:
-  ar_step               `generate.decode_step` on a `generate.prefill` state (state donated);
+  ar_step               the AR round (the root-only tree, no drafter; state donated);
   head/IMPL             `HeadDrafter.draft`: one block after the committed context;
   verify/IMPL/N         target forward over a fixed N-node `build_tree` tree + `lm_logits`;
-  round/IMPL/N          `speculative_round` (state donated): draft, tree, verify, accept, commit;
-  device_loop           `speculative.decode(max_rounds=R)` once, per round;
+  round/IMPL/N          `decode_round` (state donated): draft, tree, verify, accept, commit;
+  device_loop           the device loop `decoding.loop.decode(max_rounds=R)` once, per round;
   host_loop             R calls of `decode(max_rounds=1)`, each followed by the host reading
                         `done_b` (as a streaming loop does), per round.
 Pallas on CPU runs in interpret mode: allowed (`--attention xla,pallas`) but its times say
@@ -48,14 +48,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jetflow_jax import cli, generate, speculative
+from jetflow_jax import cli
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.drafters import HeadDrafter
+from jetflow_jax.decoding.loop import decode
+from jetflow_jax.decoding.prefill import prefill
+from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round
+from jetflow_jax.decoding.state import stop_rows
+from jetflow_jax.drafters import HeadDrafter, NoDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import QWEN3_MASK_TOKEN_ID, HeadConfig
 from jetflow_jax.model import abstract_params, forward, init_params, lm_logits
-from jetflow_jax.sampling import Greedy
+from jetflow_jax.partitioning import abstract
+from jetflow_jax.sampling import Greedy, RowSampling
 from jetflow_jax.tree import build_tree, validate_tree_args
 
 IMPLS = ("xla", "pallas")
@@ -195,10 +200,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 # --- the timed functions (each jitted once per shape; compiled ahead of time below) ---
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def ar_step(target_params, state, *, config):
-  """One greedy AR step, its state donated as `generate.decode` donates it."""
-  return generate.decode_step(target_params, config, state, Greedy())
+def greedy_rows(prompt_bt, prompt_lengths_b, max_new, seed: int):
+  """`prefill`'s row arguments: greedy rows without stop tokens."""
+  batch = prompt_bt.shape[0]
+  return (prompt_bt, prompt_lengths_b, prompt_lengths_b + max_new,
+          jax.vmap(jax.random.key)(seed + jnp.arange(batch)), RowSampling.of([Greedy()] * batch),
+          stop_rows([()] * batch))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter"))
@@ -219,10 +226,8 @@ def verify(target_params, cache, tree, context_len_b, *, config, tap_layers, imp
   return lm_logits(target_params, config, hidden_bnd), tree_kv, taps_bnld
 
 
-round_step = jax.jit(speculative.speculative_round,
-                     static_argnames=("config", "drafter", "tree_shape", "sampler", "stop_tokens",
-                                      "impl"),
-                     donate_argnames=("state",))
+# One round, its state donated as the device loop donates it; the AR step is the root-only one.
+round_step = jax.jit(decode_round, static_argnames=("spec",), donate_argnames=("state",))
 
 
 def copy_tree(tree):
@@ -278,25 +283,25 @@ def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
   config, head_config = plan.config, plan.head_config
   depth = head_config.depth
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  key_abs = jax.eval_shape(jax.random.key, 0)
   drafters = {impl: HeadDrafter(head_config, plan.dtype, impl) for impl in plan.attention}
-  common = dict(config=config, sampler=Greedy(), stop_tokens=())
+  greedy = dict(config=config, sampled=False, filtered=False)
   for length in plan.lengths:
     # Room for the loops' rounds, each committing at most depth + 1 tokens, plus one spare.
     capacity = length + (plan.loop_rounds + 1) * (depth + 1)
-    slots = capacity + depth + 1
-    prompt_abs = jax.ShapeDtypeStruct((1, length - 1), jnp.int32)
-    lengths_abs = jax.ShapeDtypeStruct((1,), jnp.int32)
-    spec_statics = dict(common, drafter=drafters[plan.attention[0]],
-                        tree_shape=speculative.TreeShape("top_n", plan.loop_budget, plan.top_k),
-                        impl=plan.attention[0])
-    spec_abs = compiler.submit((length, "spec_prefill"), lambda: speculative.prefill.lower(
-        target_abs, head_abs, prompt_abs, lengths_abs, int_scalar, key_abs, capacity=capacity,
-        **common, drafter=spec_statics["drafter"])).out_info
-    ar_abs = compiler.submit((length, "ar_prefill"), lambda: generate.prefill.lower(
-        target_abs, config, prompt_abs, lengths_abs, int_scalar, key_abs, sampler=Greedy(),
-        cache_size=slots)).out_info
-    compiler.submit((length, "ar_step"), lambda: ar_step.lower(target_abs, ar_abs, config=config))
+    rows_abs = abstract(greedy_rows(np.zeros((1, length - 1), np.int32),
+                                    np.ones((1,), np.int32), 1, 0))
+    loop_spec = RoundSpec(drafter=drafters[plan.attention[0]],
+                          tree_shape=TreeShape("top_n", plan.loop_budget, plan.top_k),
+                          impl=plan.attention[0], **greedy)
+    spec_abs = compiler.submit((length, "spec_prefill"), lambda: prefill.lower(
+        target_abs, head_abs, *rows_abs, drafter=loop_spec.drafter, slots=capacity + depth + 1,
+        capacity=capacity, **greedy)).out_info
+    ar_abs = compiler.submit((length, "ar_prefill"), lambda: prefill.lower(
+        target_abs, None, *rows_abs, drafter=NoDrafter(), slots=capacity + 1, capacity=capacity,
+        **greedy)).out_info
+    ar_spec = RoundSpec(drafter=NoDrafter(), tree_shape=TreeShape("root"), **greedy)
+    compiler.submit((length, "ar_step"), lambda: round_step.lower(target_abs, None, ar_abs,
+                                                                  spec=ar_spec))
     context_abs = jax.ShapeDtypeStruct((1,), jnp.int32)
     for impl, drafter in drafters.items():
       compiler.submit((length, f"head/{impl}"), lambda: head_forward.lower(
@@ -309,12 +314,12 @@ def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
         compiler.submit((length, f"verify/{impl}/{n}"), lambda: verify.lower(
             target_abs, spec_abs.cache, tree_abs, context_abs, config=config,
             tap_layers=drafter.tap_layers, impl=impl))
-        round_statics = dict(spec_statics, drafter=drafter, impl=impl,
-                             tree_shape=speculative.TreeShape("top_n", n, plan.top_k))
+        round_spec = RoundSpec(drafter=drafter, impl=impl,
+                               tree_shape=TreeShape("top_n", n, plan.top_k), **greedy)
         compiler.submit((length, f"round/{impl}/{n}"), lambda: round_step.lower(
-            target_abs, head_abs, spec_abs, **round_statics))
-    compiler.submit((length, "loop"), lambda: speculative.decode.lower(
-        target_abs, head_abs, spec_abs, int_scalar, **spec_statics))
+            target_abs, head_abs, spec_abs, spec=round_spec))
+    compiler.submit((length, "loop"), lambda: decode.lower(
+        target_abs, head_abs, spec_abs, int_scalar, spec=loop_spec))
 
 
 def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.random.Generator,
@@ -332,18 +337,17 @@ def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.
   prompt_bt = rng.integers(0, config.vocab_size, (1, length - 1)).astype(np.int32)
   prompt_lengths_b = np.array([length - 1], np.int32)
   max_new = np.int32(10 * length)  # never the limit: rows stop only at capacity, out of reach
-  key = jax.random.key(plan.seed)
+  rows = greedy_rows(prompt_bt, prompt_lengths_b, max_new, plan.seed)
   spec_prefill, compile_s["spec_prefill"] = compiler.get((length, "spec_prefill"))
-  spec_state = jax.block_until_ready(spec_prefill(target_params, head_params, prompt_bt,
-                                                  prompt_lengths_b, max_new, key))
+  spec_state = jax.block_until_ready(spec_prefill(target_params, head_params, *rows))
   ar_prefill, compile_s["ar_prefill"] = compiler.get((length, "ar_prefill"))
-  ar_state = jax.block_until_ready(ar_prefill(target_params, prompt_bt, prompt_lengths_b,
-                                              max_new, key))
+  ar_state = jax.block_until_ready(ar_prefill(target_params, None, *rows))
   context_len_b = spec_state.lengths_b - 1
   anchor_b = spec_state.tokens_bs[0, context_len_b]
 
   step = compiler.get((length, "ar_step"))[0]
-  record("ar_step", sample_ms(step, lambda: (target_params, copy_tree(ar_state)), plan.repeats))
+  record("ar_step", sample_ms(step, lambda: (target_params, None, copy_tree(ar_state)),
+                              plan.repeats))
   trees = {}
   for n in plan.budgets:
     logprobs_bdv = jax.nn.log_softmax(

@@ -21,10 +21,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jetflow_jax.config import Qwen3Config  # noqa: E402
+from jetflow_jax.decoding import speculative_generate  # noqa: E402
 from jetflow_jax.head import init_head_params  # noqa: E402
 from jetflow_jax.head_config import HeadConfig  # noqa: E402
 from jetflow_jax.model import init_params  # noqa: E402
-from jetflow_jax.speculative import speculative_generate  # noqa: E402
 
 
 def main():

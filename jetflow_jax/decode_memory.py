@@ -23,17 +23,21 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jetflow_jax import cli, speculative
+from jetflow_jax import cli
 from jetflow_jax.config import load_config
 from jetflow_jax.config_files import head_config, load_config_file, target_shape
+from jetflow_jax.decoding.loop import Rows, compile_decode
+from jetflow_jax.decoding.policy import tree_shape_for
+from jetflow_jax.decoding.round import RoundSpec
+from jetflow_jax.decoding.state import stop_rows
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import placed
 from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.memory_analysis import per_device_bytes, read_buffers, use_host_devices
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import abstract_params
-from jetflow_jax.sampling import Greedy
+from jetflow_jax.partitioning import abstract
+from jetflow_jax.sampling import Greedy, RowSampling
 
 GIB = 2**30
 
@@ -89,21 +93,25 @@ def memory_report(config_spec: str, mesh_sizes: dict[str, int], *, batch: int, b
     raise InputError(f"--cache-size {context} leaves no room for a prompt")
 
   target_params = abstract_params(target, dtype)
-  target_params = placed(target_params, mesh.param_shardings(target, target_params))
-  head_params = placed(abstract_head_params(head, dtype), mesh.replicated())
+  target_params = abstract(target_params, mesh.param_shardings(target, target_params))
+  head_params = abstract(abstract_head_params(head, dtype), mesh.replicated())
   prompt_len = context - head.block_size  # the prompt fills the context up to one round's room
-  drafter = HeadDrafter(head, dtype, "xla")
-  statics = dict(config=target, drafter=drafter,
-                 tree_shape=speculative.tree_shape_for("jetflow", budget, top_k),
-                 sampler=Greedy(), stop_tokens=tuple(target.eos_token_ids), impl="xla",
-                 mesh=mesh)
+  lengths_b = jnp.full((batch,), prompt_len, jnp.int32)
+  rows = Rows(prompt_bt=jnp.zeros((batch, prompt_len), jnp.int32), lengths_b=lengths_b,
+              max_lengths_b=lengths_b + head.block_size,
+              keys_b=jax.vmap(jax.random.key)(jnp.arange(batch)),
+              sampling=RowSampling.of([Greedy()] * batch),
+              stop_tokens_bk=stop_rows([target.eos_token_ids] * batch))
+  spec = RoundSpec(target, HeadDrafter(head, dtype, "xla"),
+                   tree_shape_for("jetflow", budget, top_k), sampled=False, filtered=False,
+                   mesh=mesh)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as dump_dir:
     options = (("xla_dump_to", dump_dir), ("xla_dump_hlo_as_text", True))
-    prefill, decode = speculative._compiled(target_params, head_params, (batch, prompt_len),
-                                            statics, context, compiler_options=options)
+    prefill, decode = compile_decode(target_params, head_params, rows, spec, context,
+                                     compiler_options=options)
     seconds = time.perf_counter() - start
-    state = placed(prefill.out_info, prefill.output_shardings)
+    state = abstract(prefill.out_info, prefill.output_shardings)
     # Every bf16 argument a CPU dot may upcast: the weights and the decode state's caches.
     bf16_arguments = (target_params, head_params, state)
     phases = {name: analysis(compiled, dump_dir, module, bf16_arguments)

@@ -117,7 +117,8 @@ def abstract(tree, sharding=None):
   shardings shaped like `tree`, or `KEEP` (each leaf's own `.sharding`, where it has one).
   """
   def leaf(x, where=None):
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=where)
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)  # key arrays keep theirs
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=where)
 
   if sharding is None:
     return jax.tree.map(leaf, tree)

@@ -74,6 +74,13 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -
   return Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
+def sampling_flags(samplers: Sequence[Sampler]) -> dict[str, bool]:
+  """The static promises `RowSampling.__call__` takes for rows drawn by `samplers`: does any
+  sample (`sampled`), does any filter by top-k or top-p (`filtered`)?"""
+  sampled = [s for s in samplers if isinstance(s, Sampling)]
+  return dict(sampled=bool(sampled), filtered=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled))
+
+
 @flax.struct.dataclass
 class RowSampling:
   """One sampler per row, its settings arrays (a pytree, not static): temperature 0 is greedy,

@@ -9,7 +9,7 @@ import pytest
 
 import jetflow_jax
 from conftest import run_cli
-from jetflow_jax.generate import generate
+from jetflow_jax.decoding import generate
 from jetflow_jax.text import encode_prompt, load_tokenizer
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import jetflow_jax
+from jetflow_jax.decoding import generate
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import generate
-from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.sampling import Greedy
+from jetflow_jax.text import bundled_qwen3_tokenizer_dir, load_tokenizer
 from jetflow_jax.train.data import StoreBatches, fill_row, prompt_ids, read_jsonl, to_row
 from jetflow_jax.train.packing import make_plan
 from jetflow_jax.train.regenerate import local_mesh, regenerate

@@ -8,7 +8,7 @@ import pytest
 
 import jetflow_jax
 from conftest import run_cli
-from jetflow_jax.generate import generate
+from jetflow_jax.decoding import generate
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import save_hf_head
 from jetflow_jax.head_config import HeadConfig
@@ -39,7 +39,7 @@ def test_jetflow_json_reports_statistics_and_equals_ar(target_and_head):
   assert len(out["rows"]) == 2 and out["rows"][0]["token_ids"] == out["rows"][1]["token_ids"]
   assert sum(out["accepted_lengths"]) == len(out["token_ids"]) - 1  # the prefill gives the first
   assert out["num_target_forwards"] == len(out["accepted_lengths"]) + 1
-  assert out["tau"] >= 1 and out["stop_reason"][0] in ("max_new_tokens", "stop_token")
+  assert out["tau"] >= 1 and out["stop_reason"][0] in ("max_tokens", "stop_token")
 
 
 def test_streamed_text_and_a_full_cache_is_reported(target_and_head):

@@ -20,15 +20,19 @@ import pytest
 
 import jetflow_jax
 from conftest import CLI_ENV, ROOT, make_hf_model
-from jetflow_jax import hf_params, speculative as spec
+from jetflow_jax import hf_params
+from jetflow_jax.decoding import METHODS, TreeShape, decode_prompts, generate, loop
+from jetflow_jax.decoding.round import RoundSpec
+from jetflow_jax.decoding.state import default_cache_size
+from jetflow_jax.drafters import NoDrafter
 from jetflow_jax.engine import Orchestrator, Request, make_engine
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import _compiled as compiled_ar, default_cache_size, generate
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.tree_attention import attention_for_backend
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.model import abstract_params
+from jetflow_jax.partitioning import abstract
 from jetflow_jax.sampling import Greedy
 from test_speculative import CheatingDrafter
 
@@ -110,8 +114,8 @@ def at(tree, path):
 
 # Every method on a dense target over tp=4 (more than its 2 kv heads: each device keeps the
 # whole KV cache) and on an MoE target over ep=4 (2 of its 8 experts on each device).
-CASES = [("dense", dict(tp=4), m) for m in spec.METHODS] + [
-    ("moe", dict(ep=4), m) for m in spec.METHODS]
+CASES = [("dense", dict(tp=4), m) for m in METHODS] + [
+    ("moe", dict(ep=4), m) for m in METHODS]
 
 
 @pytest.mark.parametrize("kind,axes,method", CASES,
@@ -126,7 +130,7 @@ def test_greedy_over_the_mesh_equals_one_device(targets, kind, axes, method):
       load_on(directory, mesh), config, head_params, head, PROMPTS, NEW_TOKENS, method=method,
       budget=8, top_k=3, stop_tokens=(), warn=lambda _: None, mesh=mesh)
   assert result.tokens == reference
-  assert result.stop_reasons == ["max_new_tokens"] * len(PROMPTS)
+  assert result.stop_reasons == ["max_tokens"] * len(PROMPTS)
   assert [sum(r) for r in result.committed_per_round] == [NEW_TOKENS - 1] * len(PROMPTS)
   if method == "ar":
     cache_size = default_cache_size(config, PROMPTS, NEW_TOKENS)
@@ -153,10 +157,14 @@ def test_engine_over_a_data_and_ep_mesh_equals_one_device(targets):
 def ar_cache_blocks(config, mesh, batch, cache_size) -> set:
   """Each device's block of the KV cache buffers the AR loop that just ran over `mesh` returned
   (read off its compiled executable: prompts of up to 16 tokens, no stop tokens)."""
-  hits = compiled_ar.cache_info().hits
-  _, decode = compiled_ar(config, np.dtype("float32"), (batch, 16), Greedy(), cache_size, (),
-                          mesh)
-  assert compiled_ar.cache_info().hits == hits + 1  # the executables that ran, not new ones
+  params = abstract_params(config)
+  params = abstract(params, mesh.param_shardings(config, params))
+  rows = loop.batch_rows([[1]] * batch, 1, cache_size, Greedy(), 0, ())
+  spec = RoundSpec(config, NoDrafter(), TreeShape("root"), sampled=False, filtered=False,
+                   mesh=mesh)
+  hits = loop.compiled.hits
+  _, decode = loop.compile_decode(params, None, rows, spec, cache_size)
+  assert loop.compiled.hits == hits + 2  # the executables that ran, not new ones
   shape = (batch, cache_size, config.num_key_value_heads, config.head_dim)
   cache = decode.output_shardings.cache
   return {sharding.shard_shape(shape) for sharding in cache.k + cache.v}
@@ -170,9 +178,9 @@ def test_whole_paths_committed_over_a_data_and_tp_mesh(targets):
   known = np.zeros((len(PROMPTS), 32), np.int32)
   for b, (p, r) in enumerate(zip(PROMPTS, reference)):
     known[b, :len(p) + len(r)] = p + r
-  result = spec.run_speculative(load_on(directory, mesh), config, CheatingDrafter(depth=4),
+  result = decode_prompts(load_on(directory, mesh), config, CheatingDrafter(depth=4),
                                 jnp.asarray(known), PROMPTS, NEW_TOKENS,
-                                tree_shape=spec.TreeShape("top_n", 8, 2), stop_tokens=(),
+                                tree_shape=TreeShape("top_n", 8, 2), stop_tokens=(),
                                 mesh=mesh)
   assert result.tokens == reference
   assert result.committed_per_round == [[5, 4]] * len(PROMPTS)  # 9 after the prefill's first

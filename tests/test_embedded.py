@@ -11,8 +11,8 @@ from jetflow_jax.embedded import corpus
 from jetflow_jax.embedded.evaluation import distinct_ngram_ratio
 from jetflow_jax.embedded.head_eval import (agreement_split_by_copy_rule,
                                             copy_rule_agreement_by_depth, copy_rule_next_tokens)
+from jetflow_jax.decoding import generate
 from jetflow_jax.embedded.prompts import documented_functions
-from jetflow_jax.generate import generate
 
 
 def test_held_out_files_are_never_training_files():
@@ -157,7 +157,7 @@ def test_shipped_target_loads_in_ours_and_transformers_and_decodes_alike():
 def test_shipped_heads_decode_exactly_like_ar():
   from transformers import AutoTokenizer
   from jetflow_jax.head_checkpoint import load_head
-  from jetflow_jax.speculative import speculative_generate
+  from jetflow_jax.decoding import speculative_generate
   directory = embedded.default_target()
   config, params = jetflow_jax.load_qwen3(directory)
   prompt = AutoTokenizer.from_pretrained(directory).encode("import os\n\n\ndef walk(path):\n",

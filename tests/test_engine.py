@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jetflow_jax.decoding import speculative_generate
 from jetflow_jax.engine import Orchestrator, Request, make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.sampling import Greedy, RowSampling, Sampling
-from jetflow_jax.speculative import speculative_generate
 from test_sampling import reference_processed
 from test_speculative import (assert_matches, exact_first_three, head_config, small_target,
                               target, trained_head)
@@ -158,11 +158,11 @@ def test_engine_samples_the_target_distribution(small_target):
                        max_context=8, rounds_per_step=2)
   prompt = [3, 1, 4, 1]
   prefix = engine.prefill(Request(prompt, 3, temperature=1.0, seed=0, stop_tokens=()))
-  first = int(prefix.first_b[0])
+  first = int(prefix.tokens_bs[0, len(prompt)])  # the prefix's row: prompt, first token
   samplers = [SAMPLED[0]] * PER_SAMPLER + [SAMPLED[1]] * PER_SAMPLER + [Greedy()] * GREEDY_SLOTS
   state = engine.init_state()
   for slot, sampler in enumerate(samplers):
-    state = engine.insert(state, prefix.replace(key_b=jax.random.key(slot)[None],
+    state = engine.insert(state, prefix.replace(keys_b=jax.random.key(slot)[None],
                                                 sampling=RowSampling.of([sampler])), slot)
   state, _ = engine.step(state)
   state, _ = engine.step(state)

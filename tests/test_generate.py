@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import jetflow_jax
-from jetflow_jax.generate import generate
+from jetflow_jax.decoding import generate
 from jetflow_jax.model import KVCache, forward, lm_logits
 from jetflow_jax.sampling import Greedy, make_sampler
 

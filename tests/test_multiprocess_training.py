@@ -19,12 +19,12 @@ import pytest
 
 import jetflow_jax
 from conftest import ROOT, run_cli
-from jetflow_jax.generate import generate
+from jetflow_jax.decoding import generate
+from jetflow_jax.errors import ConfigError
 from jetflow_jax.head_checkpoint import load_head
-from jetflow_jax.train.store import TokenStore
 from jetflow_jax.train.loop import train_and_evaluate
 from jetflow_jax.train.sharding import check_batch, make_mesh
-from jetflow_jax.errors import ConfigError
+from jetflow_jax.train.store import TokenStore
 from multiprocess import job, wait_for
 
 # configs/tiny.py with a 128-token random target: 100 steps compile and run in seconds.

@@ -5,12 +5,12 @@ import jax
 import numpy as np
 import pytest
 
+from jetflow_jax.decoding import generate
 from jetflow_jax.engine import make_engine
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import generate
 from jetflow_jax.sampling import Greedy
-from jetflow_jax.train.regenerate import job_for, local_mesh, regenerate
 from jetflow_jax.text import stop_end
+from jetflow_jax.train.regenerate import job_for, local_mesh, regenerate
 from jetflow_jax.train.regenerate_backends import (Job, engine_generator, finish, jax_batches,
                                                    static_generator)
 from jetflow_jax.train.store import TokenStore

@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
+from jetflow_jax.decoding import generate
 from jetflow_jax.engine import make_engine
 from jetflow_jax.errors import InputError
-from jetflow_jax.generate import generate
 from jetflow_jax.serve import create_app
 from jetflow_jax.text import bundled_qwen3_tokenizer_dir, detokenizer, load_tokenizer
 from jetflow_jax.train.regenerate import TOKEN_SOURCES, regenerate

@@ -10,10 +10,10 @@ import scipy.stats
 import torch
 
 import jetflow_jax
-from jetflow_jax import speculative as spec
+from jetflow_jax.decoding import RoundSpec, TreeShape, decode_prompts, generate
+from jetflow_jax.decoding.loop import batch_rows, compile_decode
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import ConfigError, InputError
-from jetflow_jax.generate import generate
 from jetflow_jax.head import append_context, init_head_cache, init_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, forward
@@ -117,7 +117,7 @@ def test_greedy_equals_ar(target, trained_head, method, budget, head_kind):
       params, config, head_params, head, PROMPTS, 24, method=method, budget=budget or 64,
       top_k=3, stop_tokens=(), warn=lambda _: None)
   assert result.tokens == ar_greedy(config, params, PROMPTS, 24)
-  assert result.stop_reasons == ["max_new_tokens"] * 3
+  assert result.stop_reasons == ["max_tokens"] * 3
   assert all(len(r) >= 1 and min(r) >= 1 for r in result.committed_per_round)
   if head_kind == "trained" and method != "dflash":
     assert result.tau > 1.2  # a head trained for a minute already gets several tokens a round
@@ -130,13 +130,13 @@ def test_cheating_drafter_reaches_full_depth_and_matches_ar(target):
   ref_bs = np.zeros((3, 64), np.int32)
   for b, (p, r) in enumerate(zip(PROMPTS, reference)):
     ref_bs[b, :len(p) + len(r)] = p + r
-  for shape in (spec.TreeShape("chain"), spec.TreeShape("top_n", 16, 2)):
-    result = spec.run_speculative(params, config, drafter, jnp.asarray(ref_bs), PROMPTS, 40,
+  for shape in (TreeShape("chain"), TreeShape("top_n", 16, 2)):
+    result = decode_prompts(params, config, drafter, jnp.asarray(ref_bs), PROMPTS, 40,
                                   tree_shape=shape, stop_tokens=())
     assert result.tokens == reference
     # 39 tokens after the prefill's first, 6 per round: 7 rounds, the last one cut to 3.
     assert result.committed_per_round == [[6] * 6 + [3]] * 3
-    assert result.tau > 5.5 and result.num_target_forwards == 8
+    assert result.tau > 5.5 and result.num_forwards == 8
 
 
 def test_stop_token_inside_an_accepted_path_ends_that_row_only(target):
@@ -149,8 +149,8 @@ def test_stop_token_inside_an_accepted_path_ends_that_row_only(target):
   ref_bs = np.zeros((3, 64), np.int32)
   for b, (p, r) in enumerate(zip(PROMPTS, reference)):
     ref_bs[b, :len(p) + len(r)] = p + r
-  result = spec.run_speculative(params, config, CheatingDrafter(depth=5), jnp.asarray(ref_bs),
-                                PROMPTS, 30, tree_shape=spec.TreeShape("top_n", 12, 2),
+  result = decode_prompts(params, config, CheatingDrafter(depth=5), jnp.asarray(ref_bs),
+                                PROMPTS, 30, tree_shape=TreeShape("top_n", 12, 2),
                                 stop_tokens=(stop,))
   assert result.tokens == expected
   assert result.stop_reasons[0] == "stop_token"
@@ -174,12 +174,11 @@ def test_cache_and_head_context_after_rounds_equal_ar_and_append_context(target,
   config, params = target
   head, head_params = trained_head
   drafter = HeadDrafter(head)
-  statics = dict(config=config, drafter=drafter, sampler=Greedy(), stop_tokens=())
-  prompt_bt, lengths_b = spec.pad_prompts(PROMPTS, 64)
-  state = spec.prefill(params, head_params, prompt_bt, lengths_b, 40, jax.random.key(0),
-                       capacity=64, **statics)
-  state = spec.decode(params, head_params, state, 3, tree_shape=spec.TreeShape("top_n", 12, 3),
-                      impl="xla", **statics)
+  rows = batch_rows(PROMPTS, 40, 64, Greedy(), 0, ())
+  prefill, decode = compile_decode(params, head_params, rows,
+                                   RoundSpec(config, drafter, TreeShape("top_n", 12, 3)), 64)
+  lengths_b = rows.lengths_b
+  state = decode(params, head_params, prefill(params, head_params, *rows.args()), 3)
   tokens, lengths = np.asarray(state.tokens_bs), np.asarray(state.lengths_b)
   assert (lengths - lengths_b > 3).any()  # some round accepted draft tokens
   for b in range(3):
@@ -263,8 +262,8 @@ def test_sampling_matches_the_target_distribution(small_target, sampler, drafter
   batch = SAMPLES // 2
   samples = []
   for seed in range(2):  # rows of one batch draw independently; so do seeds
-    result = spec.run_speculative(params, config, drafter, drafter_params, [prompt] * batch, 3,
-                                  tree_shape=spec.TreeShape("top_n", 8, 3), sampler=sampler,
+    result = decode_prompts(params, config, drafter, drafter_params, [prompt] * batch, 3,
+                                  tree_shape=TreeShape("top_n", 8, 3), sampler=sampler,
                                   seed=seed, stop_tokens=())
     samples.append(np.array(result.tokens))
   samples = np.concatenate(samples)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jetflow_jax
-from jetflow_jax.generate import generate
+from jetflow_jax.decoding import generate
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.masks import segment_starts

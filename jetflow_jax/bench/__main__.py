@@ -15,20 +15,20 @@ import sys
 
 import tqdm
 
-from jetflow_jax import cli, embedded, hub
+from jetflow_jax import cli
 from jetflow_jax.bench import report
 from jetflow_jax.bench.datasets import DATASETS, load_prompts
-from jetflow_jax.bench.run import SPECULATIVE, run_benchmark, runs_per_benchmark, transformers_peer
-from jetflow_jax.checkpoint import load_qwen3
+from jetflow_jax.bench.run import run_benchmark, runs_per_benchmark, transformers_peer
+from jetflow_jax.decoding.policy import METHODS, head_kind
 from jetflow_jax.errors import InputError
-from jetflow_jax.head_checkpoint import load_head
+from jetflow_jax.pair import add_model_flags, load_head_for, load_pair
 from jetflow_jax.text import encode_prompt, load_tokenizer
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--checkpoint", help="target (default: the embedded one)")
-  parser.add_argument("--head", help="causal JetFlow head (default: the embedded one)")
+  parser = argparse.ArgumentParser(prog="python -m jetflow_jax.bench",
+                                   description=__doc__.strip().splitlines()[0])
+  add_model_flags(parser, method=False, mesh_help=None)  # --head: the causal (JetFlow) head
   parser.add_argument("--dflash-head", help="bidirectional head for dflash and ddtree "
                       "(default: the embedded one)")
   parser.add_argument("--dataset", default="humaneval", help=" | ".join(DATASETS))
@@ -40,8 +40,6 @@ def parse_args(argv=None):
   parser.add_argument("--top-k", default="7", help="candidate children per depth for the trees; "
                       "a comma-separated list runs each")
   parser.add_argument("--chat", action="store_true", help="chat-template the prompts")
-  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
-  parser.add_argument("--dtype", default="auto")
   parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
   parser.add_argument("--out", default="bench/results/latest")
   return parser.parse_args(argv)
@@ -59,23 +57,16 @@ def main(argv=None):
 
   def bench():
     methods = parse_list(args.methods, str, "--methods")
-    if unknown := [m for m in methods if m not in ("ar",) + SPECULATIVE]:
-      raise InputError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE)}")
+    if unknown := [m for m in methods if m not in METHODS]:
+      raise InputError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     budgets = parse_list(args.budgets, int, "--budgets")
     top_ks = parse_list(args.top_k, int, "--top-k")
     temperatures = parse_list(args.temperatures, float, "--temperatures")
-    dtype = cli.parse_dtype(args.dtype)
-    checkpoint = hub.resolve(args.checkpoint) if args.checkpoint else embedded.default_target()
-    config, params = load_qwen3(checkpoint, dtype)
-    head_paths = {"jetflow": args.head or embedded.default_head("jetflow"),
-                  "dflash": args.dflash_head or embedded.default_head("dflash")}
-    heads = {}
-    for method in methods:
-      path = head_paths["jetflow" if method == "jetflow" else "dflash"]
-      if method != "ar":
-        if path is None:
-          raise InputError(f"method {method} needs a head: pass --head / --dflash-head")
-        heads[method] = load_head(path, dtype)
+    pair = load_pair(args.checkpoint, method="ar", dtype=args.dtype, attention=args.attention)
+    checkpoint, config, params = pair.checkpoint, pair.config, pair.params
+    given = {"jetflow": args.head, "dflash": args.dflash_head}
+    heads = {m: load_head_for(m, given[head_kind(m)], args.checkpoint is None, args.dtype)
+             for m in methods if m != "ar"}
     raw_prompts = load_prompts(args.dataset)[:args.limit or None]
     if not raw_prompts:
       raise InputError(f"dataset {args.dataset} holds no prompt")
@@ -90,7 +81,7 @@ def main(argv=None):
       cells, greedy_ar_tokens = run_benchmark(
           params, config, heads, prompts, methods=methods, budgets=budgets,
           temperatures=temperatures, max_new_tokens=args.max_new_tokens, top_ks=top_ks,
-          attention=args.attention, on_run=lambda: bar.update())
+          attention=pair.attention, on_run=lambda: bar.update())
     peer = None
     greedy_ar = next((c for c in cells if c.method == "ar" and c.temperature == 0), None)
     if not args.no_peer and greedy_ar is not None:

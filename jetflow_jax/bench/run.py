@@ -6,10 +6,8 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+from jetflow_jax.decoding import speculative_generate
 from jetflow_jax.sampling import make_sampler
-from jetflow_jax.speculative import METHODS, speculative_generate
-
-SPECULATIVE = METHODS[1:]  # every method but "ar"
 
 
 @dataclasses.dataclass
@@ -37,7 +35,7 @@ def _cell(method, budget, top_k, temperature, runs, ar_wall_s, ar_tokens) -> Cel
     identical = [r.tokens for r in runs] == ar_tokens
   return Cell(method=method, budget=budget, top_k=top_k, temperature=temperature,
               tau=committed / rounds if rounds else 0.0,
-              num_target_forwards=sum(r.num_target_forwards for r in runs), num_tokens=tokens,
+              num_target_forwards=sum(r.num_forwards for r in runs), num_tokens=tokens,
               wall_s=wall, tokens_per_s=tokens / wall, speedup=(ar_wall_s or wall) / wall,
               identical_to_ar=identical)
 

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax import cli, embedded
+from jetflow_jax.decoding import generate
 from jetflow_jax.embedded import evaluation
 from jetflow_jax.embedded.prompts import snippet_prompts
-from jetflow_jax.generate import generate
 from jetflow_jax.head import training_hidden
 from jetflow_jax.model import forward, lm_logits
 from jetflow_jax.train.data import to_row

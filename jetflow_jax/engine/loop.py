@@ -14,10 +14,10 @@ from typing import Callable, Iterable
 
 import jax
 
-from jetflow_jax.engine.engine import Engine, Request, sampling_flags
+from jetflow_jax.decoding.state import StopReason
+from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
-
-FinishReason = str  # "stop_token" | "max_tokens" | "cancelled"
+from jetflow_jax.sampling import sampling_flags
 
 
 @dataclasses.dataclass(eq=False)
@@ -28,7 +28,7 @@ class Stream:
   stop_tokens: tuple[int, ...]
   on_tokens: Callable[[list[int]], None] | None = None  # called with each new piece
   tokens: list[int] = dataclasses.field(default_factory=list)
-  finish_reason: FinishReason | None = None
+  finish_reason: StopReason | None = None
   rounds: int = 0  # speculative rounds it took part in (the prefill's token excluded)
   cancelled: bool = False
 
@@ -67,10 +67,10 @@ class Orchestrator:
     """One turn of the loop; False once nothing is waiting, running or unread."""
     for slot, stream in enumerate(self.slots):
       if stream is not None and stream.cancelled:
-        self._finish(stream, "cancelled")
+        self._finish(stream, StopReason.CANCELLED)
     for stream in [s for s in self.waiting if s.cancelled]:
       self.waiting.remove(stream)
-      self._finish(stream, "cancelled")
+      self._finish(stream, StopReason.CANCELLED)
     for slot in range(len(self.slots)):
       if self.slots[slot] is None and self.waiting:
         stream = self.waiting.popleft()
@@ -78,7 +78,7 @@ class Orchestrator:
         self.slots[slot] = stream
     pending, self._pending = self._pending, None
     if any(self.slots):
-      flags = sampling_flags([s.request for s in self.slots if s is not None])
+      flags = sampling_flags([s.request.sampler for s in self.slots if s is not None])
       self.state, output = self.engine.step(self.state, **flags)
       self._pending = (output, list(self.slots))
       self.num_steps += 1
@@ -99,8 +99,8 @@ class Orchestrator:
 
   def _deliver(self, output: StepOutput, owners: list[Stream | None]) -> None:
     """A step's new tokens to the streams that held the slots when it was dispatched."""
-    new_bw, num_new_b, done_b, rounds_b = jax.device_get(
-        (output.new_bw, output.num_new_b, output.done_b, output.rounds_b))
+    new_bw, num_new_b, stop_b, rounds_b = jax.device_get(
+        (output.new_bw, output.num_new_b, output.stop_b, output.rounds_b))
     for slot, stream in enumerate(owners):
       if stream is None or stream.finished:
         continue
@@ -110,11 +110,10 @@ class Orchestrator:
         if stream.on_tokens is not None:
           stream.on_tokens(piece)
       stream.rounds = int(rounds_b[slot])
-      if done_b[slot]:
-        done_by_stop = bool(stream.tokens) and stream.tokens[-1] in stream.stop_tokens
-        self._finish(stream, "stop_token" if done_by_stop else "max_tokens")
+      if reason := StopReason.of_code(int(stop_b[slot])):
+        self._finish(stream, reason)
 
-  def _finish(self, stream: Stream, reason: FinishReason) -> None:
+  def _finish(self, stream: Stream, reason: StopReason) -> None:
     """Ends `stream`; its slot, if it holds one, is evicted and free for the next request."""
     stream.finish_reason = reason
     if stream in self.slots:

@@ -15,12 +15,12 @@ from typing import Callable, Iterator, Sequence
 
 from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.decoding import speculative_generate
 from jetflow_jax.engine import Orchestrator, Request, Stream, make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.sampling import Sampler
-from jetflow_jax.speculative import speculative_generate
 from jetflow_jax.text import Decode, stop_end
 
 CACHE_ROUNDING = 16  # cache sizes a regeneration run may compile for: few, and nearly tight

@@ -1,0 +1,234 @@
+"""The device loop: rounds in one jitted `lax.while_loop` until every row is done, and the host
+driver that decodes a batch of prompts with it (compiled ahead of time, optionally streamed).
+
+`max_new_tokens` is a traced value and prompts are padded to power-of-two buckets, so neither
+recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.decoding.prefill import prefill
+from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round
+from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
+                                        stop_rows, stop_tokens_for)
+from jetflow_jax.distributed import to_host
+from jetflow_jax.drafters import Drafter
+from jetflow_jax.errors import InputError
+from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.partitioning import KEEP, abstract
+from jetflow_jax.sampling import Greedy, RowSampling, Sampler, sampling_flags
+
+STREAM_INTERVAL_S = 0.1  # streamed text arrives at least this often once chunks have grown
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def decode(target_params, drafter_params, state: DecodeState, max_rounds, *,
+           spec: RoundSpec) -> DecodeState:
+  """Up to `max_rounds` rounds (traced) in one `lax.while_loop`, until every row is done."""
+
+  def cond(carry):
+    count, s = carry
+    return (count < max_rounds) & ~jnp.all(s.done_b)
+
+  def body(carry):
+    count, s = carry
+    return count + 1, decode_round(target_params, drafter_params, s, spec)
+
+  return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+
+@dataclasses.dataclass
+class Generation:
+  """Generated token ids per prompt (stop token included) and how they were made."""
+
+  tokens: list[list[int]]
+  committed_per_round: list[list[int]]  # per row: tokens each round committed (bonus included)
+  stop_reasons: list[StopReason]  # per row
+  num_forwards: int  # target forward passes, prefill included
+  compile_s: float  # ahead-of-time compilation of prefill and the loop
+  wall_s: float  # prefill + decoding, compilation excluded
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def tau(self) -> float:
+    """Tokens committed per verifying target forward, bonus included, over all rows."""
+    rounds = sum(len(r) for r in self.committed_per_round)
+    return sum(map(sum, self.committed_per_round)) / rounds if rounds else 0.0
+
+  def row_tau(self, row: int) -> float:
+    rounds = self.committed_per_round[row]
+    return sum(rounds) / len(rounds) if rounds else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """A batch's host-side inputs of `prefill`, one row per prompt."""
+
+  prompt_bt: np.ndarray
+  lengths_b: np.ndarray
+  max_lengths_b: np.ndarray
+  keys_b: jax.Array
+  sampling: RowSampling
+  stop_tokens_bk: np.ndarray
+
+  def args(self):
+    return (self.prompt_bt, self.lengths_b, self.max_lengths_b, self.keys_b, self.sampling,
+            self.stop_tokens_bk)
+
+
+def batch_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size: int,
+               sampler: Sampler, seed: int, stop_tokens: tuple[int, ...]) -> Rows:
+  """Every prompt with the same settings; row b's key is `key(seed)` folded with b."""
+  prompt_bt, lengths_b = pad_prompts(prompts, cache_size)
+  batch = len(prompts)
+  return Rows(prompt_bt=prompt_bt, lengths_b=lengths_b, max_lengths_b=lengths_b + max_new_tokens,
+              keys_b=jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed),
+                                                             jnp.arange(batch)),
+              sampling=RowSampling.of([sampler] * batch),
+              stop_tokens_bk=stop_rows([stop_tokens] * batch))
+
+
+class CompileCache:
+  """Executables by shapes and statics, with counts (what ran can be told from what is new)."""
+
+  def __init__(self):
+    self.entries, self.hits, self.misses = {}, 0, 0
+
+  def get(self, key, build: Callable[[], Any]):
+    if key in self.entries:
+      self.hits += 1
+    else:
+      self.misses += 1
+      self.entries[key] = build()
+    return self.entries[key]
+
+
+compiled = CompileCache()
+
+
+def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, capacity: int,
+                   compiler_options: tuple[tuple[str, Any], ...] = ()):
+  """Ahead-of-time compiled (prefill, decode) for these shapes; kept for reuse.
+
+  The params may be arrays or abstract values; with `spec.mesh`, they are taken where they are
+  (the caller placed them) and the rows and decode state where the mesh puts them.
+  `compiler_options` (pairs) go to XLA (the memory report asks for buffer dumps).
+  """
+  mesh = spec.mesh
+  params = abstract((target_params, drafter_params), KEEP if mesh is not None else None)
+  row_args = abstract(rows.args(), None if mesh is None else mesh.rows())
+  int_scalar = abstract(jnp.int32(0), None if mesh is None else mesh.replicated())
+  shapes = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(row_args)), capacity,
+            compiler_options)
+  options = dict(compiler_options) or None
+  prefill_statics = dict(config=spec.config, drafter=spec.drafter,
+                         slots=capacity + spec.drafter.depth + 1, capacity=capacity,
+                         sampled=spec.sampled, filtered=spec.filtered, mesh=mesh)
+
+  def build_prefill():
+    executable = prefill.lower(*params, *row_args, **prefill_statics).compile(options)
+    state = executable.out_info
+    return executable, state if mesh is None else abstract(state, executable.output_shardings)
+
+  # One prefill for every tree shape and attention impl.
+  prefill_fn, state = compiled.get(shapes + tuple(prefill_statics.items()), build_prefill)
+  decode_fn = compiled.get(shapes + (spec,), lambda: decode.lower(
+      *params, state, int_scalar, spec=spec).compile(options))
+  return prefill_fn, decode_fn
+
+
+def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter_params,
+                   prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   tree_shape: TreeShape, sampler: Sampler = Greedy(), seed: int = 0,
+                   cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
+                   impl: str = "xla",
+                   on_tokens: Callable[[list[list[int]]], None] | None = None,
+                   stream_every: int = 4, mesh: DecodeMesh | None = None) -> Generation:
+  """Decodes a batch of prompts (lists of token ids) with any drafter and tree shape.
+
+  With `on_tokens`, the host regains control every `stream_every` rounds and is given the
+  tokens so far (streaming); otherwise one jitted loop runs to the end. Both give the same
+  tokens. With `mesh`, `target_params` must be placed as `mesh.param_shardings` says; the
+  drafter's params are replicated over it here and the rows split over its `data` axis.
+  """
+  if max_new_tokens < 1:
+    raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+  tree_shape.validate(drafter, config)
+  if cache_size is None:
+    cache_size = default_cache_size(config, prompts, max_new_tokens)
+  stop = stop_tokens_for(config, stop_tokens)
+  rows = batch_rows(prompts, max_new_tokens, cache_size, sampler, seed, stop)
+  args = rows.args()
+  if mesh is not None:
+    if len(prompts) % mesh.size("data"):
+      raise InputError(f"{len(prompts)} prompts do not split over the mesh's "
+                       f"{mesh.size('data')} data-parallel rows")
+    drafter_params = mesh.put(drafter_params, mesh.replicated())
+    args = mesh.put(args, mesh.rows())
+  spec = RoundSpec(config=config, drafter=drafter, tree_shape=tree_shape, impl=impl, mesh=mesh,
+                   **sampling_flags([sampler]))
+
+  start = time.perf_counter()
+  prefill_fn, decode_fn = compile_decode(target_params, drafter_params, rows, spec, cache_size)
+  compile_s = time.perf_counter() - start
+
+  start = time.perf_counter()
+  state = prefill_fn(target_params, drafter_params, *args)
+  state = run_loop(state, lambda s, rounds: decode_fn(target_params, drafter_params, s, rounds),
+                   max_new_tokens, rows.lengths_b, on_tokens, stream_every)
+  tokens = new_tokens(state, rows.lengths_b)
+  wall_s = time.perf_counter() - start
+  rounds, committed, stop_b, num_forwards = to_host(
+      (state.rounds_b, state.committed_br, state.stop_b, state.num_forwards))
+  return Generation(
+      tokens=tokens,
+      committed_per_round=[committed[b, :rounds[b]].tolist() for b in range(len(prompts))],
+      stop_reasons=[StopReason.of_code(int(code)) for code in stop_b],
+      num_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s)
+
+
+def new_tokens(state: DecodeState, prompt_lengths_b) -> list[list[int]]:
+  """Each row's generated tokens."""
+  tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
+  return [tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)]
+
+
+def run_loop(state: DecodeState, advance: Callable, max_rounds: int, prompt_lengths_b,
+             on_tokens, stream_every: int) -> DecodeState:
+  """Runs `advance(state, rounds)` until every row is done.
+
+  Without `on_tokens`, one call. With it, chunks of at first `stream_every` rounds; the
+  tokens so far are copied on device and handed to the host while the device already runs
+  the next chunk. Each chunk launch has a fixed cost, so chunks grow until they last about
+  `STREAM_INTERVAL_S`: streaming then costs a few percent at most. A chunk dispatched
+  after the last row finished does nothing.
+  """
+  if on_tokens is None:
+    return advance(state, max_rounds)
+  rounds = stream_every
+  last = time.perf_counter()
+  while True:
+    snapshot = (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b), jnp.all(state.done_b))
+    state = advance(state, rounds)
+    tokens, lengths, all_done = to_host(snapshot)
+    on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
+    if all_done:
+      return state
+    now = time.perf_counter()
+    if now - last < STREAM_INTERVAL_S:
+      rounds = min(2 * rounds, max_rounds)
+    last = now

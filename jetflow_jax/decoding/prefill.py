@@ -1,0 +1,105 @@
+"""Prefill: padded prompts through the target (in chunks when long) into a new `DecodeState`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jetflow_jax.config import Qwen3Config
+from jetflow_jax.decoding.state import DecodeState, is_stop, stop_code
+from jetflow_jax.drafters import Drafter
+from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype
+from jetflow_jax.sampling import RowSampling
+
+# Prompt tokens per row forwarded at once: a longer prompt runs in chunks of this many, so
+# prefill activations stay bounded (batch x chunk rows) whatever the context length.
+PREFILL_CHUNK = 2048
+
+
+def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_lengths_b,
+                    cache_size: int, *, mesh: DecodeMesh | None = None,
+                    tap_layers: tuple[int, ...] = (), init_taps: Callable | None = None,
+                    commit_taps: Callable | None = None, chunk: int = PREFILL_CHUNK):
+  """The padded prompts through the target into a cache of `cache_size` slots.
+
+  Returns (cache, final hidden state at each row's last prompt token `[B, D]`, taps state).
+  With `tap_layers`, the taps of the prompt rows are folded into a state: `init_taps(taps)`
+  for the first rows, then `commit_taps(state, taps, start_b)` for each later chunk. A prompt
+  longer than `chunk` runs `chunk` tokens at a time (the last chunk what is left), each
+  attending to the cache written before it.
+  """
+  batch, length = prompt_bt.shape
+  rows = jnp.arange(batch)
+  target_mesh = None if mesh is None else mesh.mesh
+  sharding = None if mesh is None else mesh.cache_sharding(config, batch)
+  if length <= chunk:  # one pass; the cache is built around the rows' own K/V
+    hidden_btd, prompt_kv, taps = forward(target_params, config, prompt_bt,
+                                          tap_layers=tap_layers, mesh=target_mesh)
+    return (KVCache.from_rows(prompt_kv, cache_size, sharding),
+            hidden_btd[rows, prompt_lengths_b - 1], init_taps(taps) if init_taps else None)
+
+  def run_chunk(start, size, carry):
+    """Forwards prompt tokens [start, start + size) after the cache's first `start` slots."""
+    cache, last_bd, state = carry
+    start_b = jnp.full((batch,), start, jnp.int32)
+    tokens_bt = jax.lax.dynamic_slice_in_dim(prompt_bt, start, size, axis=1)
+    hidden_btd, cache, taps = forward(target_params, config, tokens_bt, cache=cache,
+                                      cache_index_b=start_b, tap_layers=tap_layers,
+                                      mesh=target_mesh)
+    offset_b = prompt_lengths_b - 1 - start  # the row's last prompt token, if in this chunk
+    here_b = (offset_b >= 0) & (offset_b < size)
+    last_bd = jnp.where(here_b[:, None], hidden_btd[rows, jnp.clip(offset_b, 0, size - 1)],
+                        last_bd)
+    if init_taps is not None:
+      state = init_taps(taps) if state is None else commit_taps(state, taps, start_b)
+    return cache, last_bd, state
+
+  cache = KVCache.zeros(config, batch, cache_size, params_dtype(target_params))
+  if sharding is not None:
+    cache = jax.lax.with_sharding_constraint(cache, sharding)
+  carry = run_chunk(0, chunk, (cache, jnp.zeros((batch, config.hidden_size), cache.k[0].dtype),
+                               None))
+  full, rest = divmod(length, chunk)
+  carry = jax.lax.fori_loop(1, full, lambda i, c: run_chunk(i * chunk, chunk, c), carry)
+  return run_chunk(full * chunk, rest, carry) if rest else carry
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "slots", "capacity", "sampled",
+                                             "filtered", "mesh", "chunk"))
+def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_lengths_b, keys_b,
+            sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
+            slots: int, capacity: int, sampled: bool = True, filtered: bool = True,
+            mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> DecodeState:
+  """The padded prompts through the target and the drafter, and each row's first token.
+
+  Buffers get `slots` slots, more than any prompt; a row may hold `capacity` tokens (a batch
+  decodes in place, so `slots = capacity + depth + 1`; an engine's one-row prefix holds its
+  prompt bucket and first token, and lands in a slot of the engine's capacity). Row b draws with `keys_b[b]` folded with its
+  prompt length, below every length a round folds in.
+  """
+  batch, prompt_len = prompt_bt.shape
+  cache, last_bd, drafter_state = prefill_forward(
+      target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
+      tap_layers=drafter.tap_layers, chunk=chunk,
+      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps, slots),
+      commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
+                                                              start_b))
+  logits_bv = lm_logits(target_params, config, last_bd)
+  draw_keys_b = jax.vmap(jax.random.fold_in)(keys_b, prompt_lengths_b)
+  first_b = sampling(draw_keys_b, logits_bv, sampled=sampled, filtered=filtered)
+  rows = jnp.arange(batch)
+  tokens_bs = jnp.zeros((batch, slots), jnp.int32).at[:, :prompt_len].set(prompt_bt)
+  tokens_bs = tokens_bs.at[rows, prompt_lengths_b].set(first_b)
+  lengths_b = prompt_lengths_b + 1
+  stop_b = stop_code(is_stop(first_b, stop_tokens_bk), lengths_b, max_lengths_b, capacity,
+                     jnp.ones((batch,), bool))
+  return DecodeState(
+      tokens_bs=tokens_bs, lengths_b=lengths_b, max_lengths_b=max_lengths_b, stop_b=stop_b,
+      cache=cache, drafter_state=drafter_state, keys_b=keys_b, sampling=sampling,
+      stop_tokens_bk=stop_tokens_bk, num_forwards=jnp.ones((), jnp.int32),
+      rounds_b=jnp.zeros((batch,), jnp.int32),
+      committed_br=jnp.zeros((batch, capacity), jnp.int32))
