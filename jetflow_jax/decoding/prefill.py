@@ -78,8 +78,8 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
 
   Buffers get `slots` slots, more than any prompt; a row may hold `capacity` tokens (a batch
   decodes in place, so `slots = capacity + depth + 1`; an engine's one-row prefix holds its
-  prompt bucket and first token, and lands in a slot of the engine's capacity). Row b draws with `keys_b[b]` folded with its
-  prompt length, below every length a round folds in.
+  prompt bucket and first token, and lands in a slot of the engine's capacity). Row b draws
+  with `keys_b[b]` folded with its prompt length, below every length a round folds in.
   """
   batch, prompt_len = prompt_bt.shape
   cache, last_bd, drafter_state = prefill_forward(

@@ -3,8 +3,8 @@
 In JetStream's shape: `prefill` runs one request's prompt (padded to a power-of-two bucket, so
 few shapes compile) and samples its first token; `insert` copies that prefix into a free slot;
 `step` runs `rounds_per_step` rounds (`decoding.round`, the one every method and driver runs)
-over every slot (done and free slots commit nothing) and hands back only the new tokens; `evict` frees a slot. The host loop that calls
-them is `engine.loop`.
+over every slot (done and free slots commit nothing) and hands back only the new tokens;
+`evict` frees a slot. The host loop that calls them is `engine.loop`.
 
 With a `DecodeMesh`, the slots split over its `data` axis (each device group runs its share of
 the slots against its own copy of the target, split over `tp` / `ep` as `mesh.param_shardings`

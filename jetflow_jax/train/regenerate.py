@@ -39,6 +39,7 @@ import jax
 import tqdm
 
 from jetflow_jax import cli
+from jetflow_jax.decoding.policy import DEFAULT_BUDGET, METHODS
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.text import detokenizer
@@ -150,9 +151,10 @@ def _define_flags() -> None:
                        "(per process)")
   flags.DEFINE_string("head", None, "jax backends: a draft head (directory, hub id or training "
                       "workdir) to regenerate speculatively; greedy output is AR's")
-  flags.DEFINE_enum("method", None, ("ar", "dflash", "ddtree", "jetflow"),
+  flags.DEFINE_enum("method", None, METHODS,
                     "jax backends: default jetflow with --head, ar without")
-  flags.DEFINE_integer("budget", 64, "jax backends: tree nodes a round, root included")
+  flags.DEFINE_integer("budget", DEFAULT_BUDGET,
+                       "jax backends: tree nodes a round, root included")
   flags.DEFINE_float("temperature", 0.0, "0 is greedy")
   flags.DEFINE_integer("seed", 0, "sampling seed")
   flags.DEFINE_string("dtype", "auto", "jax backends: auto (bfloat16 on GPU/TPU, float32 on "
@@ -175,7 +177,7 @@ def _define_flags() -> None:
 def make_generator(backend: str, load_target: Callable, *, checkpoint: str, width: int,
                    temperature: float = 0.0, mesh_axes: str = "", tokenizer=None,
                    head: tuple = (None, None), method: str | None = None,
-                   budget: int = 64) -> Generator:
+                   budget: int = DEFAULT_BUDGET) -> Generator:
   """The generator of `backend` (one of BACKENDS), its target loaded now.
 
   `width`: the engine's slots, or a static batch's prompts. `load_target(shardings)` returns

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding import speculative_generate
+from jetflow_jax.decoding.policy import DEFAULT_BUDGET
 from jetflow_jax.engine import Orchestrator, Request, Stream, make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
@@ -64,7 +65,7 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 
 def engine_generator(target_params, target_config: Qwen3Config, head_params=None,
                      head_config: HeadConfig | None = None, *, method: str = "ar",
-                     budget: int = 64, slots: int = 16, rounds_per_step: int = 4,
+                     budget: int = DEFAULT_BUDGET, slots: int = 16, rounds_per_step: int = 4,
                      temperature: float = 0.0, decode: Decode | None = None,
                      mesh: DecodeMesh | None = None) -> Generator:
   """The continuous-batching engine: `slots` requests at a time (rounded up to a multiple of
@@ -119,7 +120,7 @@ def static_generator(generate_batch: BatchFn, batch_size: int,
 def jax_batches(target_params, target_config: Qwen3Config, sampler: Sampler,
                 mesh: DecodeMesh | None = None, head_params=None,
                 head_config: HeadConfig | None = None, method: str = "ar",
-                budget: int = 64) -> BatchFn:
+                budget: int = DEFAULT_BUDGET) -> BatchFn:
   """Our jitted decode loop (`speculative_generate`), its cache sized to each batch; with
   `mesh` (a local mesh), the batch is split over its data-parallel copies of the target."""
   ways = 1 if mesh is None else mesh.size("data")
