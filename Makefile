@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 ARGS ?= --max-new-tokens 128
 
-CONFIG ?= configs/tiny.py
-WORKDIR ?= runs/tiny
+CONFIG ?= configs/embedded.py:quick
+WORKDIR ?= runs/quick
 
 .PHONY: install test decode train clean
 
@@ -25,7 +25,10 @@ test: $(STAMP)
 decode: $(STAMP)
 	$(BIN)/python decode.py $(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") --prompt "$(PROMPT)" $(ARGS)
 
+# A JetFlow head for the embedded target (a few minutes on CPU); it ends with the decode.py
+# command that drafts with it. Rerunning resumes, or says there is nothing left to do.
 train: $(STAMP)
+	@echo "make train: $(CONFIG) into $(WORKDIR); loading (the first lines take a few seconds)"
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 clean:

@@ -19,15 +19,36 @@ sizes a job of N hosts of D devices each, without the hosts.
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jetflow_jax import cli, distributed
+from jetflow_jax.config_files import load_config_file
+from jetflow_jax.errors import JetflowError
+
+
+class ConfigFileParser(flags.ArgumentParser):
+  """--config, as ml_collections parses it, but a file that is missing or fails to load is a
+  flag error (one line) rather than a traceback at first use."""
+
+  def parse(self, spec):
+    try:
+      config = load_config_file(spec)
+    except JetflowError as e:
+      raise ValueError(str(e)) from None
+    config.lock()
+    return config
+
+  def flag_type(self):
+    return "config object"
+
 
 distributed.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file",
                                           lock_config=True)
+flags.FLAGS["config"].parser = ConfigFileParser()
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics, data")
 _VALIDATE_ONLY = flags.DEFINE_bool("validate_only", False,
                                    "check the config against the target's config.json and exit")
@@ -38,6 +59,15 @@ _JSON = flags.DEFINE_bool("json", False, "with --memory_report: print one JSON o
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", None, "with --memory_report and --num_processes: devices of each "
     "process of the job to size")
+
+
+def parse_flags(argv):
+  """absl's flag parsing, its errors (a bad --config among them) as one line and exit 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv):
@@ -60,11 +90,15 @@ def main(argv):
       return
     if not _WORKDIR.value:
       raise cli.InputError("--workdir is required for training")
+    setup.check_data(config, _WORKDIR.value)  # before anything loads or is written
+    setup.say(f"training a {config.head.num_layers}-layer "
+              f"{'JetFlow' if config.head.causal else 'DFlash'} head into {_WORKDIR.value}")
     from jetflow_jax.train.loop import train_and_evaluate
     result = train_and_evaluate(config, _WORKDIR.value)
     if "past_total_steps" in result:
       print(f"nothing to do: {_WORKDIR.value} is already at step {result['step']}, past the "
             f"{result['past_total_steps']} steps this config asks for")
+      print(setup.how_to_decode(config, _WORKDIR.value))
       return
     if result.get("preempted"):
       print(f"preempted: saved step {result['step']}; rerun the same command to resume",
@@ -72,10 +106,11 @@ def main(argv):
       return
     print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}, "
           f"depth-1 agreement {result.get('agreement_k', [float('nan')])[0]:.3f}")
+    print(setup.how_to_decode(config, _WORKDIR.value))
 
   cli.run(run)
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

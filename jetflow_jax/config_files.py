@@ -18,14 +18,18 @@ from jetflow_jax.head_config import HeadConfig
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """`path.py[:arg]` -> its `get_config(arg)`."""
-  path, _, arg = spec.partition(":")
+  """`path.py[:arg]` -> its `get_config(arg)` (`get_config()` without a colon, as
+  ml_collections calls it); a file that fails to load is a ConfigError naming its error."""
+  path, colon, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise InputError(f"--config file not found: {path}")
-  module_spec = importlib.util.spec_from_file_location("jetflow_config_file", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+  try:
+    module_spec = importlib.util.spec_from_file_location("jetflow_config_file", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(*([arg] if colon else []))
+  except Exception as e:  # whatever the file raises: it is the user's code
+    raise ConfigError(f"--config {spec} failed to load: {type(e).__name__}: {e}") from None
 
 
 def target_config(config: ml_collections.ConfigDict) -> Qwen3Config:

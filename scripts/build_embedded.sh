@@ -68,8 +68,8 @@ pids=() core=0
 for kind in jetflow dflash; do
   # shellcheck disable=SC2086  # HEAD_ARGS is a list of flags
   taskset -c $core $PY train.py --config=configs/embedded.py:$kind --config.data.prompts= \
-      --config.target.checkpoint="$OUT/target" --workdir="$WORK/head_$kind" \
-      --config.data.regenerated="$WORK/regenerated" $HEAD_ARGS &
+      --config.data.store= --config.target.checkpoint="$OUT/target" \
+      --workdir="$WORK/head_$kind" --config.data.regenerated="$WORK/regenerated" $HEAD_ARGS &
   pids+=($!) core=$(( (core + 1) % $(nproc) ))
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # fails if either run failed

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import CLI_ENV, ROOT, run_cli
+from jetflow_jax.config_files import head_config, load_config_file, target_config
+from jetflow_jax.errors import ConfigError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_checkpoint import load_head, save_hf_head
 from jetflow_jax.train import setup
@@ -186,3 +188,92 @@ def test_bad_data_is_named_and_nothing_is_written(tmp_path):
   writer.close()
   refused(tmp_path / "w2", store, "shard shard-00001-of-00002 is missing")
   refused(tmp_path / "w3", tmp_path / "nowhere", "data.regenerated not found")
+
+
+@pytest.mark.parametrize("config,problem", [
+    ("configs/nonexistent.py", "--config file not found: configs/nonexistent.py"),
+    ("{raising}", "failed to load: ZeroDivisionError: division by zero"),
+    ("configs/embedded.py:nope", "configs/embedded.py takes :jetflow, :dflash or :quick (got 'nope')")])
+def test_a_config_file_that_does_not_load_is_one_error_line(tmp_path, config, problem):
+  raising = tmp_path / "raising.py"
+  raising.write_text("def get_config():\n  return 1 / 0\n")
+  done = run_cli("train.py", f"--config={config.format(raising=raising)}",
+                 f"--workdir={tmp_path / 'w'}", timeout=120)
+  assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr[-2000:]
+  assert problem in done.stderr and len(done.stderr.strip().splitlines()) == 1
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_regenerated_path_that_does_not_exist_creates_nothing(tmp_path):
+  """The issue's case: before, a typo in a store's path started a regeneration there."""
+  nowhere = tmp_path / "nonexistent"
+  for extra, problem in [((), "data.prompts and data.regenerated are both set"),
+                        (("--config.data.prompts=",), "data.regenerated not found")]:
+    done = run_cli(*train_args(tmp_path / "w", f"--config.data.regenerated={nowhere}", *extra),
+                   timeout=120)
+    assert done.returncode == 2 and problem in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(nowhere) and not os.path.exists(tmp_path / "w")
+
+
+def data_config(**data):
+  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
+  tiny = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tiny)
+  config = tiny.get_config()
+  config.data.prompts = config.data.regenerated = config.data.store = ""
+  config.data.update(data)
+  return config
+
+
+@pytest.mark.parametrize("data,problem", [
+    (dict(regenerated="{tmp}/nowhere"), "data.regenerated not found"),
+    (dict(regenerated="{tmp}/empty"), "is a directory but not a token store"),
+    (dict(store="{tmp}/store"), "data.store={tmp}/store names where to regenerate data.prompts"),
+    (dict(prompts="{tmp}/missing.jsonl"), "data.prompts not found"),
+    (dict(prompts="{tmp}/prompts.jsonl", store="{tmp}/busy"),
+     "data.store {tmp}/busy is a directory that is neither empty nor a token store"),
+    (dict(prompts="{tmp}/prompts.jsonl", store="{tmp}/prompts.jsonl"), "is a file"),
+    (dict(prompts="{tmp}/prompts.jsonl", store="{tmp}/no/store"),
+     "data.store={tmp}/no/store: its parent directory does not exist"),
+    (dict(prompts="{tmp}/prompts.jsonl", regenerate_backend="vllm"),
+     "data.regenerate_backend must be one of"),
+    (dict(), "set data.prompts (a JSONL of prompts to regenerate) or data.regenerated")])
+def test_data_settings_are_checked_before_anything_is_written(tmp_path, data, problem):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "notes.txt").write_text("not a store")
+  (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+  before = sorted(os.listdir(tmp_path))
+  config = data_config(**{k: v.format(tmp=tmp_path) for k, v in data.items()})
+  with pytest.raises(ConfigError) as refused:
+    setup.training_store(config, str(tmp_path / "w"))
+  assert problem.format(tmp=tmp_path) in str(refused.value)
+  assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_new_store_may_go_into_an_empty_directory_or_resume_one(tmp_path):
+  (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+  (tmp_path / "empty").mkdir()
+  writer = ShardWriter(str(tmp_path / "resumed"), 0, 1)
+  writer.close()
+  for store in ("empty", "resumed", "new"):
+    setup.check_data(data_config(prompts=str(tmp_path / "prompts.jsonl"),
+                                 store=str(tmp_path / store)), str(tmp_path / "w"))
+  setup.check_data(data_config(regenerated=str(tmp_path / "resumed")), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "new") and not os.path.exists(tmp_path / "w")
+
+
+def test_training_ends_with_the_decode_command_for_its_head(tmp_path):
+  """`make train`'s config is checked and fits its target; the command it ends with runs
+  decode.py on the head (the embedded target is decode.py's default)."""
+  quick = load_config_file("configs/embedded.py:quick")
+  setup.check_data(quick, str(tmp_path / "w"))
+  head_config(quick, target_config(quick)).validate_for(target_config(quick))
+  assert setup.how_to_decode(quick, "runs/quick").splitlines() == [
+      "head: runs/quick/hf_head",
+      "decode with it: python decode.py --head runs/quick --prompt 'def fibonacci(n):'"]
+  quick.target.checkpoint = "/models/Qwen3 8B"
+  assert "python decode.py --checkpoint '/models/Qwen3 8B' --head" in setup.how_to_decode(
+      quick, "runs/quick")
+  assert "decode.py cannot load it" in setup.how_to_decode(data_config(), "runs/tiny")

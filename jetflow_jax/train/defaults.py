@@ -33,7 +33,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.prompts = ""  # JSONL of prompts to regenerate with the target (resumable)
-  c.data.regenerated = ""  # a token store, or a regenerated JSONL; default WORKDIR/store
+  c.data.store = ""  # with prompts: the store to regenerate into; default WORKDIR/store
+  c.data.regenerated = ""  # instead of prompts: an existing token store, or a regenerated JSONL
   c.data.tokenizer = ""  # default: the target checkpoint directory
   c.data.seq_len = 3072
   c.data.max_new_tokens = 2048

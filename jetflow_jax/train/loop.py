@@ -149,6 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return {"step": latest_step, "past_total_steps": total_steps}
   optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
 
+  setup.say(f"loading the target ({config.target.checkpoint or 'random, target.random'})")
   _, target_params = setup.load_target(config, lambda _, tree: param_sharding(mesh, tree))
   state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
                      opt_state=optimizer.init(head_params))
@@ -190,6 +191,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             f"The latest checkpoint ({manager.latest_step()}) is intact.")
       checkpointing.save(manager, step, state.head_params, state.opt_state, force=force)
 
+  setup.say(f"compiling the train step, then {total_steps - start} steps")
   bar = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not main)
   step, metrics, tick, logged_step, preempted = start, None, time.perf_counter(), start, False
   try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shlex
 
 import jax
 import ml_collections
 
-from jetflow_jax import cli, distributed, hf_params
+from jetflow_jax import cli, distributed, embedded, hf_params
 from jetflow_jax.checkpoint import is_converted, load_qwen3
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.config_files import head_config, target_config
@@ -25,6 +26,26 @@ from jetflow_jax.train.store import (TokenStore, convert_jsonl, converted_from, 
                                      num_shards)
 
 STORE_SUBDIR = "store"  # the workdir's token store (regenerated or converted)
+DECODE_PROMPT = "def fibonacci(n):"  # what the printed decode.py command asks
+
+
+def say(line: str) -> None:
+  """A progress line, from process 0 only (the others would repeat it)."""
+  if distributed.is_main_process():
+    print(line, flush=True)
+
+
+def how_to_decode(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Where the trained head is, and the decode.py command that drafts with it."""
+  head = os.path.join(workdir, "hf_head")
+  checkpoint = config.target.checkpoint
+  if not checkpoint:
+    return (f"head: {head}, for the random target of target.random (not saved, so decode.py "
+            "cannot load it; configs/embedded.py:quick trains a head you can decode with)")
+  target = ("" if os.path.abspath(os.path.expanduser(checkpoint)) == embedded.TARGET_DIR
+            else f" --checkpoint {shlex.quote(checkpoint)}")
+  return (f"head: {head}\ndecode with it: python decode.py{target} --head "
+          f"{shlex.quote(workdir)} --prompt {shlex.quote(DECODE_PROMPT)}")
 
 
 def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
@@ -82,17 +103,74 @@ def validate(config: ml_collections.ConfigDict) -> str:
           f"{count(abstract_head_params(head)) / 1e9:.3f}B params")
 
 
-def training_store(config: ml_collections.ConfigDict, workdir: str) -> TokenStore:
-  """The token store to train on: regenerated here from `data.prompts` (each process its own
-  shard, resumably), `data.regenerated` itself, or that JSONL converted once into the workdir."""
+def check_data(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuses data settings that name nothing, or a place no store should be written, before
+  anything is loaded or created.
+
+  `data.prompts` regenerates into `data.store` (default WORKDIR/store): absent, empty or a
+  store already (a regeneration resumes). `data.regenerated` names an existing store, or a
+  regenerated JSONL converted into WORKDIR/store.
+  """
   d = config.data
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.isfile(workdir):
+    raise ConfigError(f"--workdir {workdir} is a file")
   workdir_store = os.path.join(workdir, STORE_SUBDIR)
+  if d.prompts and d.regenerated:
+    raise ConfigError("data.prompts and data.regenerated are both set: data.prompts regenerates "
+                      "a new store (written to data.store, default WORKDIR/store), "
+                      "data.regenerated trains on one that exists; set one of them")
+  if d.store and not d.prompts:
+    raise ConfigError(f"data.store={d.store} names where to regenerate data.prompts, which is "
+                      "not set; to train on an existing store set data.regenerated to it")
   if d.prompts:
-    store_dir = os.path.expanduser(d.regenerated) if d.regenerated else workdir_store
-    if os.path.isfile(store_dir) or store_dir.endswith(".jsonl"):
-      raise ConfigError(f"with data.prompts, data.regenerated names the token store to regenerate "
-                        f"into (a directory), not {store_dir}; leave it empty for "
-                        f"{workdir_store}")
+    prompts = os.path.expanduser(d.prompts)
+    if not os.path.isfile(prompts):
+      raise ConfigError(f"data.prompts not found: {prompts} (a JSONL of prompts)")
+    if d.regenerate_backend not in BACKENDS:
+      raise ConfigError(f"data.regenerate_backend must be one of {BACKENDS} "
+                        f"(got {d.regenerate_backend!r})")
+    if d.store:
+      store = os.path.abspath(os.path.expanduser(d.store))
+      if not os.path.isdir(os.path.dirname(store)):
+        raise ConfigError(f"data.store={store}: its parent directory does not exist")
+      _check_writable_store(store, "data.store")
+    else:
+      _check_writable_store(workdir_store, "the workdir's store")
+  elif d.regenerated:
+    path = os.path.abspath(os.path.expanduser(d.regenerated))
+    if not os.path.exists(path):
+      raise ConfigError(f"data.regenerated not found: {path} (it names an existing token store "
+                        "or regenerated JSONL; to regenerate one, set data.prompts, and "
+                        "data.store for where to write it)")
+    if os.path.isdir(path) and not is_store(path):
+      raise ConfigError(f"data.regenerated={path} is a directory but not a token store (it has "
+                        "no store.json)")
+    if os.path.isfile(path):
+      _check_writable_store(workdir_store, "the workdir's store")  # the JSONL's conversion
+  elif not is_store(workdir_store):
+    raise ConfigError("set data.prompts (a JSONL of prompts to regenerate) or data.regenerated "
+                      "(a token store, or a regenerated JSONL to convert into one)")
+
+
+def _check_writable_store(path: str, what: str) -> None:
+  """A store may be written at `path`: nothing there, an empty directory, or a store."""
+  if os.path.isfile(path):
+    raise ConfigError(f"{what} {path} is a file, not a token store directory")
+  if os.path.isdir(path) and os.listdir(path) and not is_store(path):
+    raise ConfigError(f"{what} {path} is a directory that is neither empty nor a token store; "
+                      "refusing to write a store into it")
+
+
+def training_store(config: ml_collections.ConfigDict, workdir: str) -> TokenStore:
+  """The token store to train on: regenerated from `data.prompts` into `data.store` (each
+  process its own shard, resumably), `data.regenerated` itself, or that JSONL converted once
+  into the workdir. `check_data` first: nothing is written for a setting it refuses."""
+  check_data(config, workdir)
+  d = config.data
+  workdir_store = os.path.join(os.path.abspath(os.path.expanduser(workdir)), STORE_SUBDIR)
+  if d.prompts:
+    store_dir = os.path.abspath(os.path.expanduser(d.store)) if d.store else workdir_store
     written_by = num_shards(store_dir)
     if written_by not in (None, jax.process_count()):
       # Regenerated by another process count, whose shards this one cannot resume: read as
@@ -106,15 +184,10 @@ def training_store(config: ml_collections.ConfigDict, workdir: str) -> TokenStor
     distributed.barrier("regenerated")
     return TokenStore(store_dir)
   if not d.regenerated:
-    if is_store(workdir_store):
-      return TokenStore(workdir_store)
-    raise ConfigError("set data.prompts (a JSONL of prompts to regenerate) or data.regenerated "
-                      "(a token store, or a regenerated JSONL to convert into one)")
+    return TokenStore(workdir_store)
   path = os.path.abspath(os.path.expanduser(d.regenerated))
   if os.path.isdir(path):
     return TokenStore(path)
-  if not os.path.isfile(path):
-    raise InputError(f"data.regenerated not found: {path}")
   return converted_store(path, workdir_store)
 
 
@@ -139,16 +212,19 @@ def converted_store(jsonl_path: str, store_dir: str) -> TokenStore:
 def regenerate_prompts(config: ml_collections.ConfigDict, store_dir: str) -> None:
   """This process's share of `data.prompts`, regenerated into its shard of `store_dir`."""
   d = config.data
-  if d.regenerate_backend not in BACKENDS:
-    raise ConfigError(f"data.regenerate_backend must be one of {BACKENDS} "
-                      f"(got {d.regenerate_backend!r})")
   records = list(read_jsonl(d.prompts))
   tokenizer = tokenizer_if_needed(records, d.tokenizer or config.target.checkpoint)
 
-  generator = lambda: make_generator(  # only when something is left to regenerate
-      d.regenerate_backend, lambda shardings: load_target(config, shardings),
-      checkpoint=config.target.checkpoint, width=d.regenerate_batch_size,
-      temperature=d.regenerate_temperature, mesh_axes=d.regenerate_mesh, tokenizer=tokenizer)
+  def generator():  # only when something is left to regenerate
+    say(f"regenerate: loading the target, then compiling its decode loop "
+        f"({d.regenerate_backend} backend)")
+    return make_generator(
+        d.regenerate_backend, lambda shardings: load_target(config, shardings),
+        checkpoint=config.target.checkpoint, width=d.regenerate_batch_size,
+        temperature=d.regenerate_temperature, mesh_axes=d.regenerate_mesh, tokenizer=tokenizer)
+
+  say(f"regenerate: the target's answers to the {len(records)} prompts of {d.prompts}, into "
+      f"{store_dir} (resumable)")
   regenerate(records, store_dir, generator, tokenizer=tokenizer, max_new_tokens=d.max_new_tokens,
              max_prompt_len=d.seq_len - 2, seed=d.regenerate_seed, shard=jax.process_index(),
              num_shards=jax.process_count())
