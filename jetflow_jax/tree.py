@@ -16,6 +16,10 @@ parent's beam rank, then the child's top-k rank. It is exact, ties included:
     ahead of p has a k-th child scoring >= p's k-th child (the same log-prob is added and float
     rounding is monotone) and winning an equal score through its parent's rank.
   * the global top N - 1 restricted to depth d is a top of depth d, so the merge misses nothing.
+
+`build_tree_accum` is the reference JetFlow's builder (`accum_logp`): a best-first heap that
+gives every node it expands all K children, so its N nodes are not the best N (width is spent
+on siblings). It is here to run the paper's comparison as the paper ran it.
 """
 
 from __future__ import annotations
@@ -158,3 +162,88 @@ def root_tree(depth_logprobs) -> DraftTree:
   return DraftTree(tokens=zeros_b1, parents=zeros_b1 - 1, depths=zeros_b1,
                    ancestor_mask=jnp.ones((batch, 1, 1), bool),
                    scores=zeros_b1.astype(jnp.float32))
+
+
+def build_tree_accum(depth_logprobs, budget: int, top_k: int) -> DraftTree:
+  """The reference's `accum_logp` tree: best-first expansion, each expanded node adds K children.
+
+  The reference keeps a heap keyed by (-path log-prob, insertion counter). It pops the best
+  node and, unless it sits at depth D, appends all top-`top_k` tokens of the next depth as its
+  children (top-k order, lower token id first on equal log-probs), until `budget` nodes exist;
+  the last expansion may be cut short. Nodes come out in insertion order, as the reference
+  emits them, so parents precede children and a smaller budget's tree is a prefix of this one.
+
+  Fixed-shape form. Node u pops before v iff u's score is higher or, on equal scores, u's
+  parent popped before v's (the counter), siblings by top-k rank; the root pops first. Within
+  one depth that is `build_tree`'s beam order, so the m = ceil((N - 1) / K) expanded nodes lie
+  in beams of width m. Across depths it is the lexicographic order of (score, parent's score,
+  grandparent's score, ..., +inf at the root), a shallower equal-score chain ending first; one
+  sort over the beams of depths 0..D-1 gives the expansion order. Log-probs must be <= 0.
+  """
+  logprobs_bdv = _as_logprobs(depth_logprobs)
+  batch, depth, vocab = logprobs_bdv.shape
+  validate_tree_args(depth, vocab, budget, top_k)
+  top_k = min(top_k, budget - 1)  # the root's expansion already fills the budget
+  expansions = -(-(budget - 1) // top_k)
+
+  best_bdk, best_tokens_bdk = [], []
+  for d in range(depth):  # one top_k per depth: see build_tree
+    best_bk, tokens_bk = jax.lax.top_k(logprobs_bdv[:, d], top_k)
+    best_bdk.append(best_bk)
+    best_tokens_bdk.append(tokens_bk)
+  best_bdk, best_tokens_bdk = jnp.stack(best_bdk, 1), jnp.stack(best_tokens_bdk, 1)
+
+  # Beams of the expandable depths 0..D-1, concatenated; chains hold the scores of the node and
+  # its ancestors (position j: j levels up), +inf from the root's position on.
+  scores = [jnp.zeros((batch, 1), jnp.float32)]
+  chains = [jnp.full((batch, 1, depth), jnp.inf, jnp.float32)]
+  parents = [jnp.zeros((batch, 1), jnp.int32)]
+  ranks = [jnp.zeros((batch, 1), jnp.int32)]
+  depths = [np.zeros(1, np.int32)]
+  offset = 0
+  for d in range(depth - 1):
+    prev_bw = scores[-1]
+    cand_bc = (prev_bw[:, :, None] + best_bdk[:, d, None, :]).reshape(batch, -1)
+    beam_bw, cand_bw = jax.lax.top_k(cand_bc, min(expansions, cand_bc.shape[1]))
+    parent_bw = cand_bw // top_k
+    parent_chain_bwd = jnp.take_along_axis(chains[-1], parent_bw[:, :, None], axis=1)
+    chains.append(jnp.concatenate([beam_bw[:, :, None], parent_chain_bwd[:, :, :-1]], axis=2))
+    scores.append(beam_bw)
+    parents.append(offset + parent_bw)
+    ranks.append(cand_bw % top_k)
+    depths.append(np.full(beam_bw.shape[1], d + 1, np.int32))
+    offset += prev_bw.shape[1]
+  score_be, parent_be, rank_be = (jnp.concatenate(x, axis=1) for x in (scores, parents, ranks))
+  chain_bed = jnp.concatenate(chains, axis=1)
+  depth_e = jnp.asarray(np.concatenate(depths))
+  num_beam = depth_e.shape[0]
+
+  # Expansion order: chains descending (lax.sort treats -0.0 and 0.0 as equal, like the heap's
+  # comparison), then the concatenation index, which within a depth is the beam order.
+  index_be = jnp.broadcast_to(jnp.arange(num_beam, dtype=jnp.int32), (batch, num_beam))
+  keys = tuple(-chain_bed[:, :, j] for j in range(depth)) + (index_be,)
+  order_be = jax.lax.sort(keys, dimension=1, num_keys=len(keys))[-1]
+  expanded_bm = order_be[:, :expansions]
+  rows_b1 = jnp.arange(batch)[:, None]
+  pop_be = jnp.zeros((batch, num_beam), jnp.int32).at[rows_b1, expanded_bm].set(
+      jnp.arange(expansions, dtype=jnp.int32))
+
+  # Expansion j's children are nodes 1 + j K + r; its node sits under expansion pop[parent].
+  node_depth_bm = depth_e[expanded_bm]
+  slot_bm = 1 + pop_be[rows_b1, parent_be[rows_b1, expanded_bm]] * top_k + rank_be[
+      rows_b1, expanded_bm]
+  slot_bm = jnp.where(node_depth_bm == 0, 0, slot_bm)
+  child_lp_bmk = best_bdk[rows_b1, node_depth_bm]
+  child_tokens_bmk = best_tokens_bdk[rows_b1, node_depth_bm]
+  child_scores_bmk = score_be[rows_b1, expanded_bm][:, :, None] + child_lp_bmk
+
+  def nodes(root, children_bmk):
+    flat = children_bmk.reshape(batch, -1)[:, :budget - 1]
+    return jnp.concatenate([jnp.full((batch, 1), root, flat.dtype), flat], axis=1)
+
+  parents_bn = nodes(-1, jnp.broadcast_to(slot_bm[:, :, None], child_lp_bmk.shape))
+  return DraftTree(
+      tokens=nodes(0, child_tokens_bmk), parents=parents_bn,
+      depths=nodes(0, jnp.broadcast_to(node_depth_bm[:, :, None] + 1, child_lp_bmk.shape)),
+      ancestor_mask=_ancestor_mask(parents_bn, min(depth, budget - 1)),
+      scores=nodes(0.0, child_scores_bmk))

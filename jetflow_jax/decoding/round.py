@@ -30,27 +30,31 @@ from jetflow_jax.decoding.state import DecodeState, is_stop, stop_code
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
-from jetflow_jax.tree import DraftTree, build_tree, chain_tree, root_tree, validate_tree_args
+from jetflow_jax.tree import (DraftTree, build_tree, build_tree_accum, chain_tree, root_tree,
+                              validate_tree_args)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-  """How a round turns draft log-probs into a tree: the DFlash chain or the exact top-N tree."""
+  """How a round turns draft log-probs into a tree: the DFlash chain, the exact top-N tree, or
+  the reference's best-first `accum_logp` tree (`tree.build_tree_accum`)."""
 
-  kind: Literal["root", "chain", "top_n"]  # root: the anchor alone, a round is one AR step
-  budget: int = 0  # nodes, root included (top_n only)
-  top_k: int = 0  # candidate children per depth (top_n only)
+  kind: Literal["root", "chain", "top_n", "accum"]  # root: the anchor alone, one AR step
+  budget: int = 0  # nodes, root included (top_n and accum)
+  top_k: int = 0  # candidate children per depth (top_n and accum)
 
   def __call__(self, depth_logprobs_bdv) -> DraftTree:
     if self.kind == "root":
       return root_tree(depth_logprobs_bdv)
     if self.kind == "chain":
       return chain_tree(depth_logprobs_bdv)
+    if self.kind == "accum":
+      return build_tree_accum(depth_logprobs_bdv, self.budget, self.top_k)
     return build_tree(depth_logprobs_bdv, self.budget, self.top_k)
 
   def validate(self, drafter: Drafter, config: Qwen3Config) -> None:
     """Refuses a budget or top-k the drafter's depth and the vocabulary cannot give."""
-    if self.kind == "top_n":
+    if self.kind in ("top_n", "accum"):
       validate_tree_args(drafter.depth, config.vocab_size, self.budget, self.top_k)
 
 
