@@ -115,7 +115,8 @@ class Subprocess:
           return url
       except OSError:
         pass
-      assert time.monotonic() < deadline, "the server did not come up"
+      assert time.monotonic() < deadline, ("the server did not come up:\n"
+                                           + open(self.log_path).read()[-3000:])
       time.sleep(0.2)
 
 
@@ -433,7 +434,7 @@ def sse_events(raw: str) -> list:
   return [json.loads(e[len("data: "):]) for e in events]
 
 
-@settings(max_examples=120, deadline=None, database=None,
+@settings(max_examples=100, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_any_request_body_gets_a_200_400_or_404_in_openai_shape(local, data):
