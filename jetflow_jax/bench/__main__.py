@@ -2,6 +2,7 @@
 
   python -m jetflow_jax.bench                               # embedded pair, HumanEval, all cells
   python -m jetflow_jax.bench --limit 2 --budgets 16        # a quick check
+  python -m jetflow_jax.bench --methods ar,ddtree,jetflow --trees paper   # as the paper ran it
   python -m jetflow_jax.bench --checkpoint Qwen3-8B --head jetflow-head --dflash-head dflash-head \
       --dataset jsonl:math500.jsonl --chat --max-new-tokens 1024
 
@@ -18,7 +19,8 @@ import tqdm
 from jetflow_jax import cli
 from jetflow_jax.bench import report
 from jetflow_jax.bench.datasets import DATASETS, load_prompts
-from jetflow_jax.bench.run import run_benchmark, runs_per_benchmark, transformers_peer
+from jetflow_jax.bench.run import (parse_trees, run_benchmark, runs_per_benchmark,
+                                   transformers_peer)
 from jetflow_jax.decoding.policy import METHODS, head_kind
 from jetflow_jax.errors import InputError
 from jetflow_jax.pair import add_model_flags, load_head_for, load_pair
@@ -39,6 +41,10 @@ def parse_args(argv=None):
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--top-k", default="7", help="candidate children per depth for the trees; "
                       "a comma-separated list runs each")
+  parser.add_argument("--trees", default="top_n", help="tree builders for ddtree and jetflow, "
+                      "comma-separated: top_n (exact top-N, ours), accum (the reference "
+                      "JetFlow's best-first heap), wide (top_n at top-k N - 1, as DDTree runs "
+                      "it); METHOD:TREE for one method; paper = top_n,ddtree:wide,jetflow:accum")
   parser.add_argument("--chat", action="store_true", help="chat-template the prompts")
   parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
   parser.add_argument("--out", default="bench/results/latest")
@@ -61,6 +67,7 @@ def main(argv=None):
       raise InputError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     budgets = parse_list(args.budgets, int, "--budgets")
     top_ks = parse_list(args.top_k, int, "--top-k")
+    trees = parse_trees(args.trees)
     temperatures = parse_list(args.temperatures, float, "--temperatures")
     pair = load_pair(args.checkpoint, method="ar", dtype=args.dtype, attention=args.attention)
     checkpoint, config, params = pair.checkpoint, pair.config, pair.params
@@ -76,12 +83,12 @@ def main(argv=None):
     prompts = [encode_prompt(tokenizer, p, args.chat) if isinstance(p, str) else p
                for p in raw_prompts]
 
-    total = runs_per_benchmark(methods, budgets, top_ks, temperatures, len(prompts))
+    total = runs_per_benchmark(methods, budgets, top_ks, temperatures, len(prompts), trees)
     with tqdm.tqdm(total=total, desc="bench", unit="decode") as bar:
       cells, greedy_ar_tokens = run_benchmark(
           params, config, heads, prompts, methods=methods, budgets=budgets,
           temperatures=temperatures, max_new_tokens=args.max_new_tokens, top_ks=top_ks,
-          attention=pair.attention, on_run=lambda: bar.update())
+          trees=trees, attention=pair.attention, on_run=lambda: bar.update())
     peer = None
     greedy_ar = next((c for c in cells if c.method == "ar" and c.temperature == 0), None)
     if not args.no_peer and greedy_ar is not None:

@@ -8,17 +8,18 @@ import os
 
 
 def markdown_table(cells, peer: dict | None = None) -> str:
-  lines = ["| T | method | budget | top-k | tau | target forwards | tokens/s | speedup vs AR "
-           "| = AR |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| T | method | budget | top-k | tree | tau | target forwards | tokens/s "
+           "| speedup vs AR | = AR |", "|---|---|---|---|---|---|---|---|---|---|"]
   for c in cells:
     same = {None: "", True: "yes", False: "**no**"}[c.identical_to_ar]
     top_k = "-" if c.top_k is None else c.top_k
-    lines.append(f"| {c.temperature:g} | {c.method} | {c.budget} | {top_k} | {c.tau:.2f} | "
-                 f"{c.num_target_forwards} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | {same} |")
+    lines.append(f"| {c.temperature:g} | {c.method} | {c.budget} | {top_k} | {c.tree or '-'} | "
+                 f"{c.tau:.2f} | {c.num_target_forwards} | {c.tokens_per_s:.1f} | "
+                 f"{c.speedup:.2f}x | {same} |")
   if peer:
     same = "yes" if peer["identical_to_ar"] else "**no**"
-    lines.append(f"| 0 | transformers generate | - | - | 1.00 | - | {peer['tokens_per_s']:.1f} "
-                 f"| {peer['speedup']:.2f}x | {same} |")
+    lines.append(f"| 0 | transformers generate | - | - | - | 1.00 | - | "
+                 f"{peer['tokens_per_s']:.1f} | {peer['speedup']:.2f}x | {same} |")
   return "\n".join(lines)
 
 
@@ -46,19 +47,25 @@ def plot(cells, path: str, title: str = ""):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   temperatures = sorted({c.temperature for c in cells})
-  top_ks = sorted({c.top_k for c in cells if c.top_k is not None})
-  # One line per method and top-k; the top-k goes in the label only where there are several.
-  lines = [("dflash", None)] + [(m, k) for m in ("ddtree", "jetflow") for k in top_ks]
+  # One line per method, tree and top-k (wide trees: one line, their top-k is N - 1); the tree
+  # and the top-k go in the label only where there are several.
+  lines = [("dflash", None, None)] + sorted(
+      {(c.method, c.tree, None if c.tree == "wide" else c.top_k) for c in cells
+       if c.tree is not None})
+  trees = {tree for _, tree, _ in lines[1:]}
+  top_ks = {top_k for _, _, top_k in lines[1:] if top_k is not None}
   fig, axes = plt.subplots(2, len(temperatures), figsize=(5 * len(temperatures), 7),
                            squeeze=False)
   for column, temperature in enumerate(temperatures):
     for row, metric in enumerate(("tau", "speedup")):
       ax = axes[row, column]
-      for method, top_k in lines:
-        points = sorted((c.budget, getattr(c, metric)) for c in cells if c.method == method
-                        and c.top_k == top_k and c.temperature == temperature)
+      for method, tree, top_k in lines:
+        points = sorted((c.budget, getattr(c, metric)) for c in cells
+                        if (c.method, c.tree) == (method, tree) and c.temperature == temperature
+                        and top_k in (None, c.top_k))
         if points:
-          label = f"{method}, top-k {top_k}" if len(top_ks) > 1 and top_k else method
+          label = method + (f" {tree}" if len(trees) > 1 else "")
+          label += f", top-k {top_k}" if len(top_ks) > 1 and top_k else ""
           ax.plot(*zip(*points), marker="o", label=label)
       ax.axhline(1.0, color="grey", linestyle=":", label="AR")
       ax.set_xscale("log", base=2)
