@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.decoding.state import DecodeState, is_stop, stop_code
+from jetflow_jax.decoding.state import DecodeState, is_stop, scores, stop_code
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
@@ -68,6 +68,7 @@ class RoundSpec:
   impl: str = "xla"
   sampled: bool = True  # False promises every row is greedy: no draw is made
   filtered: bool = True  # False promises no row filters by top-k / top-p: no sort is made
+  logprobs: bool = False  # True: committed tokens get the target's log-probabilities
   mesh: DecodeMesh | None = None
 
 
@@ -136,13 +137,22 @@ def _commit_count(state: DecodeState, emitted_bd, accepted_depth_b):
 
 
 def commit_choices(drafter_params, state: DecodeState, verified: Verified, choices_bn,
-                   drafter: Drafter) -> DecodeState:
+                   spec: RoundSpec) -> DecodeState:
   """Accepts the path the target's choices `[B, N]` agree with and commits it (steps 4-5)."""
+  drafter = spec.drafter
   rows = jnp.arange(state.lengths_b.shape[0])
   context_len_b = state.lengths_b - 1
   with jax.named_scope("accept"):
     path_bd, accepted_depth_b, emitted_bd = accept(verified.tree, choices_bn, drafter.depth)
     count_b, hit_stop_b = _commit_count(state, emitted_bd, accepted_depth_b)
+  if spec.logprobs:
+    with jax.named_scope("logprobs"):  # the verify's own logits along the path: no new forward
+      chosen_bd, top_ids_bdx, top_logprobs_bdx = scores(
+          _take_rows(verified.logits_bnv, path_bd), emitted_bd, state.top)
+      state = state.replace(
+          logprobs_bs=write_rows(state.logprobs_bs, chosen_bd, state.lengths_b),
+          top_ids_bsx=write_rows(state.top_ids_bsx, top_ids_bdx, state.lengths_b),
+          top_logprobs_bsx=write_rows(state.top_logprobs_bsx, top_logprobs_bdx, state.lengths_b))
 
   with jax.named_scope("commit"):
     # The path's nodes 0..depth hold the tokens at positions context_len .. context_len + depth.
@@ -177,4 +187,4 @@ def decode_round(target_params, drafter_params, state: DecodeState,
   verified = draft_and_verify(target_params, drafter_params, state, spec)
   with jax.named_scope("accept"):
     choices_bn = choose(state, verified.logits_bnv, spec)
-  return commit_choices(drafter_params, state, verified, choices_bn, spec.drafter)
+  return commit_choices(drafter_params, state, verified, choices_bn, spec)

@@ -65,10 +65,21 @@ class DecodeState:
   num_forwards: jax.Array  # target forward passes so far, prefill included (scalar)
   rounds_b: jax.Array  # rounds each row took part in
   committed_br: jax.Array  # tokens committed by row b in its round r (bonus included)
+  # The target's own log-probabilities (its logits before temperature and filters) of the token
+  # at each position, and its `top` likeliest tokens there, `[B, S, top]` (top may be 0). Written
+  # only where a round, or a prefill, is asked for them (`RoundSpec.logprobs`); junk elsewhere.
+  logprobs_bs: jax.Array
+  top_ids_bsx: jax.Array
+  top_logprobs_bsx: jax.Array
 
   @property
   def done_b(self) -> jax.Array:
     return self.stop_b != RUNNING
+
+  @property
+  def top(self) -> int:
+    """How many likeliest tokens a position's log-probabilities keep."""
+    return self.top_ids_bsx.shape[2]
 
   @property
   def capacity(self) -> int:
@@ -85,6 +96,15 @@ def stop_code(hit_stop_b, lengths_b, max_lengths_b, capacity: int, running_b):
                              jnp.where(lengths_b >= capacity, StopReason.CACHE_FULL.code,
                                        RUNNING)))
   return jnp.where(running_b, code, RUNNING).astype(jnp.int32)
+
+
+def scores(logits_bxv, tokens_bx, top: int):
+  """The target's log-probabilities of `tokens` `[B, X]` and its `top` likeliest tokens at each
+  of those positions: (`[B, X]`, ids `[B, X, top]`, log-probabilities `[B, X, top]`)."""
+  logprobs_bxv = jax.nn.log_softmax(logits_bxv.astype(jnp.float32), axis=-1)
+  chosen_bx = jnp.take_along_axis(logprobs_bxv, tokens_bx[..., None], axis=-1)[..., 0]
+  top_logprobs, top_ids = jax.lax.top_k(logprobs_bxv, top)
+  return chosen_bx, top_ids.astype(jnp.int32), top_logprobs
 
 
 def is_stop(tokens_b, stop_tokens_bk):

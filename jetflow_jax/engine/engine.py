@@ -52,6 +52,10 @@ class Request:
   top_p: float = 1.0
   seed: int = 0
   stop_tokens: Sequence[int] | None = None  # None: the target config's EOS ids
+  # The target's log-probabilities of each generated token, and this many likeliest
+  # alternatives (at most the engine's `top_logprobs`); None: none.
+  logprobs: int | None = None
+  prompt_logprobs: bool = False  # the same for every prompt token after the first
 
   @property
   def sampler(self) -> Sampler:
@@ -68,16 +72,19 @@ def placed(state: EngineState, config: Qwen3Config, mesh: DecodeMesh | None) -> 
       state, shardings.replace(rows=shardings.rows.replace(cache=cache)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "capacity", "mesh"))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "capacity", "top",
+                                             "prompt_logprobs", "mesh"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b, seed_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
-            capacity: int, mesh: DecodeMesh | None = None) -> DecodeState:
+            capacity: int, top: int, prompt_logprobs: bool = False,
+            mesh: DecodeMesh | None = None) -> DecodeState:
   """One request (a row of its own) through the target and drafter, and its first token: its
   buffers hold the prompt bucket and that token, its capacity is a slot's."""
   return prefill_lib.prefill(
       target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b,
       jax.vmap(jax.random.key)(seed_b), sampling, stop_tokens_bk, config=config,
-      drafter=drafter, slots=prompt_bt.shape[1] + 1, capacity=capacity, mesh=mesh)
+      drafter=drafter, slots=prompt_bt.shape[1] + 1, capacity=capacity, top=top,
+      prompt_logprobs=prompt_logprobs, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
@@ -122,17 +129,22 @@ def step(target_params, drafter_params, state: EngineState, *, spec: RoundSpec,
   width = rounds * (spec.drafter.depth + 1) + 1
   index_bw = jnp.minimum(state.reported_b[:, None] + jnp.arange(width, dtype=jnp.int32),
                          rows.tokens_bs.shape[1] - 1)
-  output = StepOutput(new_bw=jnp.take_along_axis(rows.tokens_bs, index_bw, axis=1),
-                      num_new_b=rows.lengths_b - state.reported_b, stop_b=rows.stop_b,
-                      rounds_b=rows.rounds_b)
+  window = lambda x: jnp.take_along_axis(
+      x, index_bw.reshape(index_bw.shape + (1,) * (x.ndim - 2)), axis=1)
+  output = StepOutput(new_bw=window(rows.tokens_bs), num_new_b=rows.lengths_b - state.reported_b,
+                      stop_b=rows.stop_b, rounds_b=rows.rounds_b)
+  if spec.logprobs:
+    output = output.replace(logprobs_bw=window(rows.logprobs_bs),
+                            top_ids_bwx=window(rows.top_ids_bsx),
+                            top_logprobs_bwx=window(rows.top_logprobs_bsx))
   return placed(EngineState(rows=rows, reported_b=rows.lengths_b), spec.config,
                 spec.mesh), output
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "num_slots", "capacity",
-                                             "max_stop_tokens", "mesh"))
+                                             "max_stop_tokens", "top", "mesh"))
 def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: Drafter,
-               num_slots: int, capacity: int, max_stop_tokens: int,
+               num_slots: int, capacity: int, max_stop_tokens: int, top: int,
                mesh: DecodeMesh | None = None) -> EngineState:
   """Every slot free: cancelled rows of length 1, zero caches."""
   size = capacity + drafter.depth + 1  # a round writes depth + 1 rows past what is committed
@@ -151,7 +163,10 @@ def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: D
                            top_p_b=jnp.ones((num_slots,), jnp.float32)),
       stop_tokens_bk=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32),
       num_forwards=jnp.zeros((), jnp.int32), rounds_b=zeros_b,
-      committed_br=jnp.zeros((num_slots, capacity), jnp.int32))
+      committed_br=jnp.zeros((num_slots, capacity), jnp.int32),
+      logprobs_bs=jnp.zeros((num_slots, size), jnp.float32),
+      top_ids_bsx=jnp.zeros((num_slots, size, top), jnp.int32),
+      top_logprobs_bsx=jnp.zeros((num_slots, size, top), jnp.float32))
   return placed(EngineState(rows=rows, reported_b=zeros_b + 1), config, mesh)
 
 
@@ -167,7 +182,8 @@ class Engine:
   def __init__(self, target_params, config: Qwen3Config, drafter: Drafter = NoDrafter(),
                drafter_params=None, *, tree_shape: TreeShape = TreeShape("root"),
                num_slots: int = 8, max_context: int = 1024, rounds_per_step: int = 4,
-               max_stop_tokens: int = 8, impl: str = "xla", mesh: DecodeMesh | None = None):
+               max_stop_tokens: int = 8, top_logprobs: int = 20, impl: str = "xla",
+               mesh: DecodeMesh | None = None):
     if num_slots < 1 or rounds_per_step < 1 or max_context < 2:
       raise InputError(f"an engine needs num_slots >= 1, rounds_per_step >= 1 and max_context "
                        f">= 2 (got {num_slots}, {rounds_per_step}, {max_context})")
@@ -181,13 +197,14 @@ class Engine:
     self.drafter, self.drafter_params = drafter, drafter_params
     self.tree_shape, self.num_slots, self.max_context = tree_shape, num_slots, max_context
     self.rounds_per_step, self.max_stop_tokens, self.impl = rounds_per_step, max_stop_tokens, impl
-    self.mesh = mesh
+    self.top_logprobs, self.mesh = min(top_logprobs, config.vocab_size), mesh
 
   def init_state(self) -> EngineState:
     """Every slot free."""
     return init_state(self.target_params, self.drafter_params, config=self.config,
                       drafter=self.drafter, num_slots=self.num_slots, capacity=self.max_context,
-                      max_stop_tokens=self.max_stop_tokens, mesh=self.mesh)
+                      max_stop_tokens=self.max_stop_tokens, top=self.top_logprobs,
+                      mesh=self.mesh)
 
   def check(self, request: Request) -> tuple[int, ...]:
     """Raises InputError naming what does not fit; returns the request's stop ids."""
@@ -202,6 +219,8 @@ class Engine:
       raise InputError(f"a prompt of {prompt.size} tokens plus max_tokens {request.max_tokens} "
                        f"exceeds the engine's context of {self.max_context} tokens per slot")
     request.sampler  # raises on bad values
+    if request.logprobs is not None and not 0 <= request.logprobs <= self.top_logprobs:
+      raise InputError(f"logprobs must lie in [0, {self.top_logprobs}] (got {request.logprobs})")
     if not 0 <= request.seed < 2**32:
       raise InputError(f"seed must lie in [0, 2**32) (got {request.seed})")
     stop = stop_tokens_for(self.config, request.stop_tokens)
@@ -221,19 +240,22 @@ class Engine:
                    np.array([length], np.int32), np.array([length + request.max_tokens], np.int32),
                    np.array([request.seed], np.uint32), RowSampling.of([request.sampler]),
                    stop_rows([stop], self.max_stop_tokens), config=self.config,
-                   drafter=self.drafter, capacity=self.max_context, mesh=self.mesh)
+                   drafter=self.drafter, capacity=self.max_context, top=self.top_logprobs,
+                   prompt_logprobs=request.prompt_logprobs, mesh=self.mesh)
 
   def insert(self, state: EngineState, prefix: DecodeState, slot: int) -> EngineState:
     """`prefix` into free slot `slot` (the state is donated)."""
     return insert(state, prefix, np.int32(slot), config=self.config, mesh=self.mesh)
 
-  def step(self, state: EngineState, *, sampled: bool = True,
-           filtered: bool = True) -> tuple[EngineState, StepOutput]:
+  def step(self, state: EngineState, *, sampled: bool = True, filtered: bool = True,
+           logprobs: bool = False) -> tuple[EngineState, StepOutput]:
     """`rounds_per_step` rounds over every slot (the state is donated). `sampled=False` or
     `filtered=False` promise that no running request samples or filters
-    (`sampling.sampling_flags`): a cheaper variant, compiled apart."""
+    (`sampling.sampling_flags`), `logprobs=False` that none wants log-probabilities: cheaper
+    variants, compiled apart."""
     spec = RoundSpec(config=self.config, drafter=self.drafter, tree_shape=self.tree_shape,
-                     impl=self.impl, sampled=sampled, filtered=filtered, mesh=self.mesh)
+                     impl=self.impl, sampled=sampled, filtered=filtered, logprobs=logprobs,
+                     mesh=self.mesh)
     return step(self.target_params, self.drafter_params, state, spec=spec,
                 rounds=self.rounds_per_step)
 
@@ -247,7 +269,8 @@ def make_engine(target_params, target_config: Qwen3Config, head_params=None,
                 budget: int = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K, attention: str = "xla",
                 warn: Callable[[str], None] = print, **options) -> Engine:
   """An engine running `method` (ar, dflash, ddtree, jetflow) as `speculative_generate` does;
-  `options` (num_slots, max_context, rounds_per_step, max_stop_tokens, mesh) go to `Engine`."""
+  `options` (num_slots, max_context, rounds_per_step, max_stop_tokens, top_logprobs, mesh) go
+  to `Engine`."""
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
   return Engine(target_params, target_config, drafter, head_params,
                 tree_shape=tree_shape_for(method, budget, top_k), impl=attention, **options)

@@ -31,6 +31,14 @@ class Stream:
   finish_reason: StopReason | None = None
   rounds: int = 0  # speculative rounds it took part in (the prefill's token excluded)
   cancelled: bool = False
+  # With `request.logprobs`: each token's log-probability under the target, and its
+  # `request.logprobs` likeliest (token, log-probability) pairs.
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  # With `request.prompt_logprobs`, the same for the prompt's tokens (None for the first).
+  prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+  prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(
+      default_factory=list)
 
   @property
   def finished(self) -> bool:
@@ -74,12 +82,17 @@ class Orchestrator:
     for slot in range(len(self.slots)):
       if self.slots[slot] is None and self.waiting:
         stream = self.waiting.popleft()
-        self.state = self.engine.insert(self.state, self.engine.prefill(stream.request), slot)
+        prefix = self.engine.prefill(stream.request)
+        if stream.request.prompt_logprobs:
+          self._prompt_logprobs(stream, prefix)
+        self.state = self.engine.insert(self.state, prefix, slot)
         self.slots[slot] = stream
     pending, self._pending = self._pending, None
     if any(self.slots):
-      flags = sampling_flags([s.request.sampler for s in self.slots if s is not None])
-      self.state, output = self.engine.step(self.state, **flags)
+      running = [s.request for s in self.slots if s is not None]
+      self.state, output = self.engine.step(
+          self.state, **sampling_flags([r.sampler for r in running]),
+          logprobs=any(r.logprobs is not None for r in running))
       self._pending = (output, list(self.slots))
       self.num_steps += 1
     if pending is not None:
@@ -99,19 +112,33 @@ class Orchestrator:
 
   def _deliver(self, output: StepOutput, owners: list[Stream | None]) -> None:
     """A step's new tokens to the streams that held the slots when it was dispatched."""
-    new_bw, num_new_b, stop_b, rounds_b = jax.device_get(
-        (output.new_bw, output.num_new_b, output.stop_b, output.rounds_b))
+    output = jax.device_get(output)
+    new_bw, num_new_b, stop_b, rounds_b = (output.new_bw, output.num_new_b, output.stop_b,
+                                           output.rounds_b)
     for slot, stream in enumerate(owners):
       if stream is None or stream.finished:
         continue
-      if num_new_b[slot]:
-        piece = new_bw[slot, :num_new_b[slot]].tolist()
+      if count := num_new_b[slot]:
+        piece = new_bw[slot, :count].tolist()
+        if (top := stream.request.logprobs) is not None:
+          stream.logprobs.extend(output.logprobs_bw[slot, :count].tolist())
+          stream.top_logprobs.extend(pairs(output.top_ids_bwx[slot, :count, :top],
+                                           output.top_logprobs_bwx[slot, :count, :top]))
         stream.tokens.extend(piece)
         if stream.on_tokens is not None:
           stream.on_tokens(piece)
       stream.rounds = int(rounds_b[slot])
       if reason := StopReason.of_code(int(stop_b[slot])):
         self._finish(stream, reason)
+
+  def _prompt_logprobs(self, stream: Stream, prefix) -> None:
+    """The prompt's log-probabilities, read off its prefill (a wait, for the requests asking)."""
+    length, top = len(stream.request.prompt), stream.request.logprobs or 0
+    logprobs, ids, values = jax.device_get(
+        (prefix.logprobs_bs[0, 1:length], prefix.top_ids_bsx[0, 1:length, :top],
+         prefix.top_logprobs_bsx[0, 1:length, :top]))
+    stream.prompt_logprobs = [None] + logprobs.tolist()
+    stream.prompt_top_logprobs = [None] + pairs(ids, values)
 
   def _finish(self, stream: Stream, reason: StopReason) -> None:
     """Ends `stream`; its slot, if it holds one, is evicted and free for the next request."""
@@ -120,3 +147,8 @@ class Orchestrator:
       slot = self.slots.index(stream)
       self.state = self.engine.evict(self.state, slot)
       self.slots[slot] = None
+
+
+def pairs(ids_wx, logprobs_wx) -> list[list[tuple[int, float]]]:
+  """Per position, its (token, log-probability) pairs, likeliest first."""
+  return [list(zip(i, v)) for i, v in zip(ids_wx.tolist(), logprobs_wx.tolist())]

@@ -29,3 +29,8 @@ class StepOutput:
   num_new_b: jax.Array
   stop_b: jax.Array  # each slot's `StopReason.code` (RUNNING while it decodes)
   rounds_b: jax.Array  # rounds each slot's request has taken part in
+  # With a step's `logprobs`: the new tokens' log-probabilities and likeliest alternatives, as
+  # `new_bw` (`DecodeState.logprobs_bs` and its top arrays); None without.
+  logprobs_bw: jax.Array | None = None
+  top_ids_bwx: jax.Array | None = None
+  top_logprobs_bwx: jax.Array | None = None
