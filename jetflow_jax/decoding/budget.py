@@ -1,0 +1,267 @@
+"""Which tree budget the next round should verify: expected tokens per budget over its cost.
+
+Pieces, each usable alone (the decode loop and the engine call them; nothing here runs a model):
+
+- `budget_ladder`: the budgets a run compiles, AR (1 node) and a few trees up to the largest;
+- `expected_tau`: from one draft, the draft's own expected committed tokens at every budget of
+  the ladder (jittable). The top-N set is ancestor-closed, a kept node is accepted when its
+  whole path is, so E[committed] = sum over the N kept nodes of exp(path log-prob), the root's
+  exp(0) = 1 being the bonus token;
+- `AcceptanceModel`: per row, how what the rows accept compares with what their drafts
+  predicted, with a prior for rows whose head has not run yet (host-side numpy);
+- `CostTable`: seconds per round by (method, budget, busy rows) on one device, saved as JSON;
+- `choose_budget`: the ladder budget with the most expected committed tokens per second.
+
+One budget is chosen per round for all its rows (one compiled shape per budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.errors import InputError
+from jetflow_jax.tree import DraftTree, build_tree, build_tree_accum
+
+LADDER = (1, 4, 8, 16, 32, 64, 128, 256)
+AR_METHOD = "ar"
+
+
+def budget_ladder(max_budget: int, ladder: Sequence[int] = LADDER) -> tuple[int, ...]:
+  """AR (1), then the ladder's budgets below `max_budget`, then `max_budget` itself."""
+  if max_budget < 1:
+    raise InputError(f"the largest budget must be >= 1 node (got {max_budget})")
+  return tuple(sorted({1, max_budget} | {n for n in ladder if n < max_budget}))
+
+
+def expected_tau(tree: DraftTree, ladder: Sequence[int], in_order: bool = False) -> jax.Array:
+  """The draft's expected committed tokens `[B, L]` at every ladder budget, bonus included.
+
+  `tree` is built at budget max(ladder). A smaller budget's tree is its top-N by score
+  (`build_tree`, whose nodes come by depth: sorted here) or, with `in_order`, its first N
+  nodes (`build_tree_accum`, whose nodes come in insertion order).
+  """
+  scores_bn = tree.scores
+  if max(ladder) > scores_bn.shape[1] or min(ladder) < 1:
+    raise InputError(f"ladder {tuple(ladder)} needs budgets in [1, {scores_bn.shape[1]}]")
+  if not in_order:
+    scores_bn = -jnp.sort(-scores_bn, axis=1)
+  cumulative_bn = jnp.cumsum(jnp.exp(scores_bn), axis=1)
+  return cumulative_bn[:, np.asarray(ladder) - 1]
+
+
+def draft_expected_tau(depth_logprobs_bdv, ladder: Sequence[int], top_k: int,
+                       kind: str = "top_n") -> jax.Array:
+  """`expected_tau` of the tree the ladder's largest budget builds from these log-probs."""
+  budget = max(ladder)
+  if budget == 1:
+    return jnp.ones((jnp.shape(depth_logprobs_bdv)[0], 1), jnp.float32)
+  if kind == "accum":
+    return expected_tau(build_tree_accum(depth_logprobs_bdv, budget, top_k), ladder, True)
+  return expected_tau(build_tree(depth_logprobs_bdv, budget, top_k), ladder)
+
+
+@dataclasses.dataclass
+class AcceptanceModel:
+  """Per-row calibration of what drafts predict (`expected_tau`) against what rows accept.
+
+  A row's gain is what it commits beyond the bonus token. Its calibration is the ratio
+  estimator sum(observed gains) / sum(predicted gains) (the least-squares line through the
+  origin when the variance grows with the prediction), shrunk towards `prior_ratio` by
+  `prior_weight` predicted tokens, old rounds fading by `decay`. Its estimate at each budget is
+  1 + ratio x (the last draft's predicted gain there). A row with no draft yet is estimated by
+  `prior_tau_l`, and a row kept on AR drifts back to it (the last draft's weight falls by
+  `decay` per AR round); after `explore_every` AR rounds in a row `probe_due` asks for a tree.
+  """
+
+  ladder: tuple[int, ...]
+  rows: int
+  prior_tau_l: np.ndarray  # expected committed tokens at each budget for a row never drafted
+  prior_ratio: float = 1.0
+  prior_weight: float = 4.0
+  decay: float = 0.9
+  explore_every: int = 32
+
+  def __post_init__(self):
+    self.prior_tau_l = np.asarray(self.prior_tau_l, np.float64)
+    if self.prior_tau_l.shape != (len(self.ladder),) or self.ladder[0] != 1:
+      raise InputError("the prior needs one value per ladder budget, the ladder starting at AR")
+    self.observed_b = np.zeros(self.rows)  # decayed sums of gains
+    self.predicted_b = np.zeros(self.rows)
+    self.last_bl = np.full((self.rows, len(self.ladder)), np.nan)  # the last draft's prediction
+    self.ar_rounds_b = np.zeros(self.rows, np.int64)  # AR rounds since the last tree round
+
+  def reset(self, rows_b) -> None:
+    """Forgets the given rows (a bool mask or indices): a new request took their slots."""
+    self.observed_b[rows_b] = 0.0
+    self.predicted_b[rows_b] = 0.0
+    self.last_bl[rows_b] = np.nan
+    self.ar_rounds_b[rows_b] = 0
+
+  def update(self, predicted_bl, observed_b, budget: int, active_b=None) -> None:
+    """Records one round run at `budget` (a ladder value) for the `active_b` rows (default all).
+
+    `predicted_bl` is the round's `expected_tau` (ignored for AR, may be None then);
+    `observed_b` the tokens each row accepted plus the bonus, before any stop or length cut.
+    """
+    active_b = np.ones(self.rows, bool) if active_b is None else np.asarray(active_b, bool)
+    if budget == 1:
+      self.ar_rounds_b[active_b] += 1
+      return
+    index = self.ladder.index(budget)
+    predicted_bl = np.asarray(predicted_bl, np.float64)
+    gain_b = np.asarray(observed_b, np.float64) - 1.0
+    predicted_gain_b = predicted_bl[:, index] - 1.0
+    self.observed_b = np.where(active_b, self.decay * self.observed_b + gain_b, self.observed_b)
+    self.predicted_b = np.where(active_b, self.decay * self.predicted_b + predicted_gain_b,
+                                self.predicted_b)
+    self.last_bl[active_b] = predicted_bl[active_b]
+    self.ar_rounds_b[active_b] = 0
+
+  def ratio_b(self) -> np.ndarray:
+    """Each row's calibration: observed gain per predicted gain."""
+    return ((self.prior_ratio * self.prior_weight + self.observed_b)
+            / (self.prior_weight + self.predicted_b))
+
+  def estimate(self) -> np.ndarray:
+    """Expected committed tokens `[B, L]` of every row at every ladder budget."""
+    drafted_bl = 1.0 + self.ratio_b()[:, None] * (np.nan_to_num(self.last_bl, nan=1.0) - 1.0)
+    # The last draft's weight: 1 right after it, fading with each AR round, 0 before any.
+    fresh_b1 = np.where(np.isnan(self.last_bl[:, :1]), 0.0, self.decay ** self.ar_rounds_b[:, None])
+    tau_bl = fresh_b1 * drafted_bl + (1.0 - fresh_b1) * self.prior_tau_l
+    return np.clip(tau_bl, 1.0, np.asarray(self.ladder, np.float64))
+
+  def probe_due(self, active_b=None) -> bool:
+    """True when an active row has run `explore_every` AR rounds in a row: try a tree."""
+    active_b = np.ones(self.rows, bool) if active_b is None else np.asarray(active_b, bool)
+    return bool(np.any(active_b & (self.ar_rounds_b >= self.explore_every)))
+
+
+def cost_key(device_kind: str, target, head=None, slots: int = 1, dtype: str = "") -> dict:
+  """What a cost table is valid for: the device, the target's and head's shapes, the slots."""
+  target_fields = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
+                   "num_experts_per_tok", "moe_intermediate_size")
+  head_fields = ("num_layers", "hidden_size", "intermediate_size", "block_size", "causal")
+  return {"device": device_kind, "dtype": dtype, "slots": slots,
+          "target": {f: getattr(target, f) for f in target_fields if hasattr(target, f)},
+          "head": None if head is None else {f: getattr(head, f) for f in head_fields}}
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+  """Seconds per round by method and budget, at each measured number of busy rows.
+
+  `seconds[method][budget][i]` is a round at `rows[i]` busy rows (AR: method "ar", budget 1);
+  `source` says, in the same layout, which entries were "measured" and which "modelled".
+  Between measured row counts the time is interpolated linearly; past the largest it grows
+  along the last segment; below the smallest it stays at the smallest's.
+  """
+
+  key: dict
+  rows: tuple[int, ...]
+  seconds: dict[str, dict[int, tuple[float, ...]]]
+  source: dict[str, dict[int, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+  notes: str = ""
+
+  def __post_init__(self):
+    if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
+      raise InputError(f"cost table rows must ascend from >= 1 (got {self.rows})")
+    for method, by_budget in self.seconds.items():
+      for budget, times in by_budget.items():
+        if len(times) != len(self.rows):
+          raise InputError(f"cost table {method}/{budget}: {len(times)} times for "
+                           f"{len(self.rows)} row counts")
+
+  def round_seconds(self, method: str, budgets: Sequence[int], busy_rows: float) -> np.ndarray:
+    """Seconds of a round at each budget `[L]`; budget 1 is AR whatever `method` says."""
+    try:
+      times_lr = np.array([self.seconds[AR_METHOD if n == 1 else method][n] for n in budgets],
+                          np.float64)
+    except KeyError:
+      raise InputError(f"cost table has no {method} round for some of budgets "
+                       f"{tuple(budgets)} ({self.key})") from None
+    rows_r = np.asarray(self.rows, np.float64)
+    if len(rows_r) == 1:
+      return times_lr[:, 0]
+    rows = max(float(busy_rows), rows_r[0])
+    upper = int(np.clip(np.searchsorted(rows_r, rows), 1, len(rows_r) - 1))
+    weight = (rows - rows_r[upper - 1]) / (rows_r[upper] - rows_r[upper - 1])
+    return times_lr[:, upper - 1] + weight * (times_lr[:, upper] - times_lr[:, upper - 1])
+
+  def to_json(self) -> dict:
+    def strings(by_method):
+      return {m: {str(n): list(v) for n, v in by_budget.items()} for m, by_budget in
+              by_method.items()}
+    return {"key": self.key, "rows": list(self.rows), "seconds": strings(self.seconds),
+            "source": strings(self.source), "notes": self.notes}
+
+  @classmethod
+  def from_json(cls, record: dict) -> CostTable:
+    def numbers(by_method, kind):
+      return {m: {int(n): tuple(kind(x) for x in v) for n, v in by_budget.items()}
+              for m, by_budget in by_method.items()}
+    return cls(key=record["key"], rows=tuple(int(r) for r in record["rows"]),
+               seconds=numbers(record["seconds"], float),
+               source=numbers(record.get("source", {}), str), notes=record.get("notes", ""))
+
+
+def save_cost_table(path: str, table: CostTable) -> None:
+  """Writes `table` into the JSON file at `path`, replacing a table with the same key."""
+  tables = []
+  if os.path.exists(path):
+    with open(path) as f:
+      tables = [t for t in json.load(f)["tables"] if t["key"] != table.key]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump({"tables": tables + [table.to_json()]}, f, indent=1)
+  os.replace(tmp, path)  # a reader never sees half a file
+
+
+def load_cost_table(path: str, key: dict) -> CostTable | None:
+  """The table for `key` in the JSON file at `path`, or None (no file, no such key)."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    record = next((t for t in json.load(f)["tables"] if t["key"] == key), None)
+  return None if record is None else CostTable.from_json(record)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  budget: int
+  index: int  # in the ladder
+  tokens_per_s_l: np.ndarray  # expected committed tokens per second at every ladder budget
+
+
+def best_budget(tokens_l, seconds_l, ladder: Sequence[int], probe: bool = False) -> Choice:
+  """The budget with the most `tokens_l / seconds_l`; `probe` leaves AR out when it can."""
+  rate_l = np.asarray(tokens_l, np.float64) / np.asarray(seconds_l, np.float64)
+  pick = rate_l.copy()
+  if probe and len(ladder) > 1 and ladder[0] == 1:
+    pick[0] = -np.inf
+  index = int(np.argmax(pick))
+  return Choice(budget=int(ladder[index]), index=index, tokens_per_s_l=rate_l)
+
+
+def choose_budget(tau_bl, costs: CostTable, method: str, ladder: Sequence[int],
+                  busy_rows: int | None = None, probe: bool = False) -> Choice:
+  """The ladder budget maximising expected committed tokens per second for these rows.
+
+  `tau_bl` holds the busy rows' expected committed tokens at each ladder budget
+  (`AcceptanceModel.estimate()`, or `expected_tau` straight from a draft); AR commits one token
+  a row. `busy_rows` (default: the rows of `tau_bl`) picks the round times in `costs`.
+  """
+  tau_bl = np.asarray(tau_bl, np.float64)
+  tokens_l = tau_bl.sum(axis=0)
+  if ladder[0] == 1:
+    tokens_l[0] = tau_bl.shape[0]
+  rows = tau_bl.shape[0] if busy_rows is None else busy_rows
+  return best_budget(tokens_l, costs.round_seconds(method, ladder, rows), ladder, probe)
+

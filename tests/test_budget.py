@@ -1,0 +1,179 @@
+"""The budget chooser's pieces on synthetic inputs: ladder, expected tokens, calibration, costs."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jetflow_jax.decoding.budget import (LADDER, AcceptanceModel, CostTable, best_budget,
+                                         budget_ladder, choose_budget, cost_key,
+                                         draft_expected_tau, expected_tau, load_cost_table,
+                                         save_cost_table)
+from jetflow_jax.errors import InputError
+from jetflow_jax.tree import build_tree, build_tree_accum
+
+
+def random_logprobs(seed, batch, depth, vocab, scale=2.0):
+  logits = np.random.default_rng(seed).normal(size=(batch, depth, vocab)) * scale
+  return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float32)
+
+
+def test_ladder():
+  assert budget_ladder(256) == LADDER == (1, 4, 8, 16, 32, 64, 128, 256)
+  assert budget_ladder(64) == (1, 4, 8, 16, 32, 64)
+  assert budget_ladder(100) == (1, 4, 8, 16, 32, 64, 100)
+  assert budget_ladder(1) == (1,)
+  with pytest.raises(InputError):
+    budget_ladder(0)
+
+
+@pytest.mark.parametrize("kind", ["top_n", "accum"])
+def test_expected_tau_at_every_budget_is_that_budgets_own_tree(kind):
+  # build_tree emits its nodes by depth, not by score: expected_tau sorts them, and each
+  # budget's sum then equals the sum over the tree built at that budget.
+  logprobs = random_logprobs(0, 3, 4, 12)
+  ladder = (1, 4, 17, 50)
+  build = build_tree_accum if kind == "accum" else build_tree
+  tau_bl = np.asarray(draft_expected_tau(logprobs, ladder, 3, kind))
+  np.testing.assert_allclose(tau_bl[:, 0], 1.0)
+  for index, budget in enumerate(ladder[1:], 1):
+    direct_b = np.exp(np.asarray(build(logprobs, budget, 3).scores)).sum(axis=1)
+    np.testing.assert_allclose(tau_bl[:, index], direct_b, rtol=1e-5)
+  assert np.all(np.diff(tau_bl, axis=1) > 0)
+  if kind == "top_n":  # the exact top-N is never worse than the reference's heap
+    accum_bl = np.asarray(draft_expected_tau(logprobs, ladder, 3, "accum"))
+    assert np.all(tau_bl >= accum_bl - 1e-5)
+  jitted = jax.jit(draft_expected_tau, static_argnums=(1, 2, 3))(logprobs, ladder, 3, kind)
+  np.testing.assert_allclose(np.asarray(jitted), tau_bl, rtol=1e-6)
+
+
+def test_expected_tau_is_the_mean_accepted_length_when_the_target_samples_the_draft():
+  logprobs = random_logprobs(1, 1, 3, 5, scale=1.5)
+  tree = build_tree(logprobs, 20, 3)
+  want = float(expected_tau(tree, (20,))[0, 0])
+  tokens, parents = np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])
+  children = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+  probs_dv = np.exp(logprobs[0].astype(np.float64))
+  rng = np.random.default_rng(0)
+  draws_sd = np.stack([rng.choice(5, 40000, p=p / p.sum()) for p in probs_dv], axis=1)
+  committed = []
+  for draws in draws_sd:
+    node, count = 0, 1
+    for token in draws:
+      node = children.get((node, int(token)))
+      if node is None:
+        break
+      count += 1
+    committed.append(count)
+  assert abs(np.mean(committed) - want) < 0.02
+
+
+def test_acceptance_model_calibrates_each_row_and_falls_back_to_the_prior():
+  ladder = (1, 4, 16)
+  prior = np.array([1.0, 2.0, 3.0])
+  model = AcceptanceModel(ladder, rows=2, prior_tau_l=prior, prior_weight=2.0, decay=0.9,
+                          explore_every=3)
+  np.testing.assert_allclose(model.estimate(), [prior, prior])  # no draft yet
+  predicted_bl = np.array([[1.0, 3.0, 5.0], [1.0, 3.0, 5.0]])
+  for _ in range(200):  # row 0 accepts half its predicted gain, row 1 all of it
+    model.update(predicted_bl, np.array([3.0, 5.0]), budget=16)
+  # The prior (ratio 1, weight 2) stays in the decayed sums: row 0 settles at 22 / 42.
+  np.testing.assert_allclose(model.ratio_b(), [22 / 42, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(model.estimate(), [[1.0, 1 + 44 / 42, 1 + 88 / 42], [1.0, 3.0, 5.0]],
+                             rtol=1e-6)
+  # Row 1 idles (inactive); row 0 runs AR rounds: its evidence fades towards the prior.
+  assert not model.probe_due()
+  for _ in range(3):
+    model.update(None, np.ones(2), budget=1, active_b=[True, False])
+  assert model.probe_due() and not model.probe_due(active_b=[False, True])
+  faded = model.estimate()
+  fresh = 0.9**3
+  assert faded[0, 2] == pytest.approx(fresh * (1 + 88 / 42) + (1 - fresh) * 3.0)
+  assert faded[1, 2] == pytest.approx(5.0)
+  model.reset([1])
+  np.testing.assert_allclose(model.estimate()[1], prior)
+  # Estimates never exceed what a budget can commit, nor fall below the bonus token.
+  model.update(np.array([[1.0, 9.0, 30.0]] * 2), np.array([20.0, 1.0]), budget=16)
+  assert np.all(model.estimate() <= np.array(ladder)) and np.all(model.estimate() >= 1.0)
+
+
+def table(rows, ar, tree_by_budget, method="jetflow"):
+  return CostTable(key={"device": "test"}, rows=rows, seconds={
+      "ar": {1: tuple(ar)}, method: {n: tuple(t) for n, t in tree_by_budget.items()}})
+
+
+def test_cost_table_interpolates_between_measured_rows_and_round_trips(tmp_path):
+  costs = table((1, 8, 32), [1.0, 2.0, 4.0], {4: [2.0, 4.0, 12.0], 16: [3.0, 10.0, 40.0]})
+  np.testing.assert_allclose(costs.round_seconds("jetflow", (1, 4, 16), 1), [1.0, 2.0, 3.0])
+  np.testing.assert_allclose(costs.round_seconds("jetflow", (1, 4, 16), 20), [3.0, 8.0, 25.0])
+  np.testing.assert_allclose(costs.round_seconds("jetflow", (4,), 56), [20.0])  # past the last
+  np.testing.assert_allclose(costs.round_seconds("jetflow", (4,), 0.5), [2.0])
+  with pytest.raises(InputError, match="no jetflow round"):
+    costs.round_seconds("jetflow", (1, 8), 1)
+  path = str(tmp_path / "costs.json")
+  assert load_cost_table(path, costs.key) is None
+  save_cost_table(path, costs)
+  other = table((1,), [5.0], {4: [6.0]})
+  other = CostTable(key={"device": "other"}, rows=other.rows, seconds=other.seconds)
+  save_cost_table(path, other)
+  save_cost_table(path, costs)  # the same key replaces, never duplicates
+  assert load_cost_table(path, costs.key) == costs
+  assert load_cost_table(path, other.key) == other
+  assert load_cost_table(path, {"device": "nope"}) is None
+  key = cost_key("cpu", type("T", (), {"hidden_size": 64, "num_hidden_layers": 2})(), None, 4)
+  assert key == {"device": "cpu", "dtype": "", "slots": 4, "head": None,
+                 "target": {"hidden_size": 64, "num_hidden_layers": 2}}
+  with pytest.raises(InputError):
+    table((8, 1), [1, 1], {})
+
+
+LADDER_4 = (1, 4, 16, 64)
+
+
+def tau_profile(gain_at_64, rows):
+  """Expected tokens that grow like log(N), `gain_at_64` beyond the bonus at N = 64."""
+  gain_l = gain_at_64 * np.log2(np.array(LADDER_4)) / 6
+  return np.tile(1.0 + gain_l, (rows, 1))
+
+
+def test_a_flat_cost_picks_the_largest_tree():
+  costs = table((1,), [1.0], {n: [1.0] for n in LADDER_4[1:]})
+  choice = choose_budget(tau_profile(0.3, 4), costs, "jetflow", LADDER_4)
+  assert choice.budget == 64 and choice.index == 3
+
+
+def test_a_linear_cost_with_a_weak_draft_picks_ar():
+  costs = table((1,), [1.0], {n: [1.0 + n / 4] for n in LADDER_4[1:]})
+  assert choose_budget(tau_profile(1.5, 4), costs, "jetflow", LADDER_4).budget == 1
+  # A probe still tries the best tree; a strong draft takes one without asking.
+  assert choose_budget(tau_profile(1.5, 4), costs, "jetflow", LADDER_4, probe=True).budget == 4
+  strong = np.tile([1.0, 3.9, 5.0, 6.0], (4, 1))
+  assert choose_budget(strong, costs, "jetflow", LADDER_4).budget == 4
+
+
+def test_the_choice_moves_with_the_busy_rows_as_the_table_says():
+  # Trees cost little more than AR for one row and grow with rows x N, as on a GPU.
+  ar = [1.0, 1.2, 2.0]
+  costs = table((1, 8, 32), ar, {n: [1.0 + 0.001 * n, 1.2 + 0.02 * n, 2.0 + 0.2 * n]
+                                 for n in LADDER_4[1:]})
+  chosen = [choose_budget(tau_profile(5.0, rows), costs, "jetflow", LADDER_4).budget
+            for rows in (1, 8, 32)]
+  assert chosen == [64, 16, 4]
+  # The same estimates, but all 32 slots' times asked for by 8 busy rows.
+  assert choose_budget(tau_profile(5.0, 8), costs, "jetflow", LADDER_4, busy_rows=32).budget == 4
+
+
+def test_best_budget_and_the_choosers_own_time():
+  choice = best_budget([1.0, 3.0, 4.0], [1.0, 2.0, 2.0], (1, 4, 8))
+  assert choice.budget == 8 and np.allclose(choice.tokens_per_s_l, [1.0, 1.5, 2.0])
+  costs = table((1, 8, 32), [1.0, 1.2, 2.0], {n: [1.0, 2.0, 3.0] for n in LADDER[1:]})
+  model = AcceptanceModel(LADDER, rows=32, prior_tau_l=np.linspace(1, 6, len(LADDER)))
+  model.update(np.tile(np.linspace(1, 8, len(LADDER)), (32, 1)), np.full(32, 4.0), budget=64)
+  seconds = []
+  for _ in range(200):
+    start = time.perf_counter()
+    choose_budget(model.estimate(), costs, "jetflow", LADDER, busy_rows=32,
+                  probe=model.probe_due())
+    seconds.append(time.perf_counter() - start)
+  assert np.median(seconds) < 3e-4  # estimate + choice for 32 rows x 8 budgets
