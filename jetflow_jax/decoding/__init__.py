@@ -3,7 +3,8 @@ and its two drivers: the device loop for batches (`generate`, `speculative_gener
 `decode_prompts`) and the continuous-batching engine (`jetflow_jax.engine`).
 
 Files: `state.py` (the rows and why they stop), `prefill.py`, `round.py`, `loop.py` (the device
-loop and its host driver), `policy.py` (method -> drafter, tree, head), `api.py`.
+loop and its host driver), `policy.py` (method -> drafter, tree, head), `api.py`, `budget.py`
+(which tree budget a round should verify: expected tokens per budget, calibration, costs).
 """
 
 from jetflow_jax.decoding.api import generate, speculative_generate
