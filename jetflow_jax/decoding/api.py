@@ -56,6 +56,8 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
   (`load_qwen3(path, shardings=mesh.param_shardings)` loads them there).
   """
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
+  if method == "ar":  # a head given anyway is not passed along (nor compiled in)
+    head_params = None
   return decode_prompts(target_params, target_config, drafter, head_params, prompts,
                         max_new_tokens, tree_shape=tree_shape_for(method, budget, top_k),
                         sampler=sampler, seed=seed, cache_size=cache_size,

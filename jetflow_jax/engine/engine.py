@@ -272,5 +272,5 @@ def make_engine(target_params, target_config: Qwen3Config, head_params=None,
   `options` (num_slots, max_context, rounds_per_step, max_stop_tokens, top_logprobs, mesh) go
   to `Engine`."""
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
-  return Engine(target_params, target_config, drafter, head_params,
+  return Engine(target_params, target_config, drafter, None if method == "ar" else head_params,
                 tree_shape=tree_shape_for(method, budget, top_k), impl=attention, **options)
