@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ from jetflow_jax.decoding import StopReason, speculative_generate
 from jetflow_jax.decoding.state import check_context_window
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import parse_mesh
-from jetflow_jax.pair import add_model_flags, pair_from_flags
+from jetflow_jax.pair import add_model_flags, max_budget, pair_from_flags
 from jetflow_jax.sampling import make_sampler
 from jetflow_jax.text import encode_prompt, load_tokenizer
 
@@ -94,7 +95,8 @@ def memory_report(args) -> None:
   if not args.config:
     raise InputError("--memory_report needs --config (a training config file: configs/NAME.py)")
   report = decode_memory.memory_report(
-      args.config, parse_mesh(args.mesh), batch=args.batch_size, budget=args.budget,
+      args.config, parse_mesh(args.mesh), batch=args.batch_size,
+      budget=max_budget(args) if args.budget == "auto" else args.budget,
       top_k=args.top_k, context=args.cache_size or 8192,
       dtype_name="bfloat16" if args.dtype == "auto" else args.dtype, checkpoint=args.checkpoint)
   print(json.dumps(report) if args.json else decode_memory.format_report(report))
@@ -141,7 +143,8 @@ def main(argv=None) -> None:
 
     run = lambda method, on_tokens=None: speculative_generate(
         pair.params, config, pair.head_params, pair.head_config, prompts, args.max_new_tokens,
-        method=method, budget=args.budget, top_k=args.top_k, sampler=sampler, seed=args.seed,
+        method=method, budget=args.budget, top_k=args.top_k, max_budget=max_budget(args),
+        sampler=sampler, seed=args.seed,
         attention=pair.attention, cache_size=args.cache_size, on_tokens=on_tokens,
         warn=lambda line: print(line, file=sys.stderr), mesh=pair.mesh)
     result = run(method, None if args.json else stream)
@@ -154,6 +157,9 @@ def main(argv=None) -> None:
         "stop_reason": result.stop_reasons,
         "tau": round(result.tau, 4),
         "accepted_lengths": result.committed_per_round[0],
+        "budget": args.budget,
+        "budgets": result.budgets,  # with auto: the budget of every round
+        "calibrate_s": round(result.calibrate_s, 4),
         "num_target_forwards": result.num_forwards,
         "compile_s": round(result.compile_s, 4),
         "wall_s": round(result.wall_s, 4),
@@ -169,7 +175,11 @@ def main(argv=None) -> None:
     if args.json:
       print(json.dumps(summary))
     else:
-      line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, "
+      chosen = collections.Counter(result.budgets)
+      budgets = (" (auto: " + ", ".join(f"{'AR' if n == 1 else n} x{k}"
+                                        for n, k in sorted(chosen.items())) + ")"
+                 if chosen else "")
+      line = (f"\n\n[{method}{budgets}: {summary['num_new_tokens']} tokens, "
               f"{result.num_forwards} target forwards, tau {summary['tau']}, "
               f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
       if compare_ar:

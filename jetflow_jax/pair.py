@@ -29,11 +29,22 @@ from jetflow_jax.mesh import DecodeMesh, parse_mesh
 EMBEDDED_NAME = "jetflow-embedded"
 
 
-def add_model_flags(parser: argparse.ArgumentParser, *, method: bool = True,
+def budget_flag(text: str) -> int | str:
+  """`--budget`: `auto` or a node count."""
+  if text == "auto":
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be auto or a number of nodes (got {text!r})") from None
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, method: bool = True, auto: bool = True,
                     mesh_help: str | None = "devices to decode over, e.g. tp=4,ep=2 (axes data, "
                     "tp, ep; default: one device)") -> None:
   """The flags that choose and place the pair: checkpoint, head, dtype, kernel, mesh (unless
-  `mesh_help` is None) and, with `method`, the method and its tree."""
+  `mesh_help` is None) and, with `method`, the method and its tree (`auto` budgets, with
+  `auto`: the default then)."""
   parser.add_argument("--checkpoint", help="target: directory or hub id (default: the embedded "
                       "model, with the head its method is made for)")
   parser.add_argument("--head", help="draft head: reference-layout directory or hub id, or a "
@@ -41,8 +52,17 @@ def add_model_flags(parser: argparse.ArgumentParser, *, method: bool = True,
   if method:
     parser.add_argument("--method", choices=METHODS,
                         help="default: jetflow with a head, ar without")
-    parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                        help="tree nodes, root included")
+    if auto:
+      parser.add_argument("--budget", type=budget_flag, default="auto",
+                          help="tree nodes, root included, or auto (default): each round's "
+                          "budget chosen on the ladder AR, 4, 8, ..., --max-budget from what "
+                          "rounds cost here and what the draft predicts (ddtree and jetflow)")
+      parser.add_argument("--max-budget", type=int, default=None,
+                          help="the largest budget auto may choose (default: 64 on CPU, where "
+                          "trees cost their rows, 256 on a GPU or TPU)")
+    else:
+      parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                          help="tree nodes, root included")
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help="tree candidates per depth")
   parser.add_argument("--dtype", default="auto",
@@ -52,6 +72,13 @@ def add_model_flags(parser: argparse.ArgumentParser, *, method: bool = True,
                       "interpreted on CPU)")
   if mesh_help is not None:
     parser.add_argument("--mesh", default="", help=mesh_help)
+
+
+def max_budget(args: argparse.Namespace) -> int:
+  """`--max-budget`, or its default for this backend."""
+  if args.max_budget is not None:
+    return args.max_budget
+  return 64 if jax.default_backend() == "cpu" else 256
 
 
 @dataclasses.dataclass

@@ -40,7 +40,8 @@ def generate(target_params, config: Qwen3Config, prompts: Sequence[Sequence[int]
 def speculative_generate(target_params, target_config: Qwen3Config, head_params,
                          head_config: HeadConfig | None, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, *, method: str = "jetflow",
-                         budget: int = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K,
+                         budget: int | str = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K,
+                         max_budget: int = 256,
                          sampler: Sampler = Greedy(), seed: int = 0, attention: str = "xla",
                          cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
                          on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -50,6 +51,7 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
 
   `dflash` drafts the chain of per-depth top-1 tokens; `ddtree` and `jetflow` the exact
   top-`budget` tree over per-depth top-`top_k` candidates; `ar` is plain decoding (no head).
+  `budget="auto"` chooses each round's budget on a ladder up to `max_budget` (`decoding.auto`).
   The head's mask flag comes from its config: naming `jetflow` with a bidirectional head,
   or `dflash`/`ddtree` with a causal one, calls `warn` once and runs (an ablation).
   With `mesh` (a `DecodeMesh`), `target_params` must sit where `mesh.param_shardings` says
@@ -58,8 +60,10 @@ def speculative_generate(target_params, target_config: Qwen3Config, head_params,
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
   if method == "ar":  # a head given anyway is not passed along (nor compiled in)
     head_params = None
+  auto = budget == "auto" and method in ("ddtree", "jetflow")
+  fixed = max_budget if budget == "auto" else budget
   return decode_prompts(target_params, target_config, drafter, head_params, prompts,
-                        max_new_tokens, tree_shape=tree_shape_for(method, budget, top_k),
+                        max_new_tokens, tree_shape=tree_shape_for(method, fixed, top_k),
                         sampler=sampler, seed=seed, cache_size=cache_size,
                         stop_tokens=stop_tokens, impl=attention, on_tokens=on_tokens,
-                        mesh=mesh)
+                        mesh=mesh, auto=auto)

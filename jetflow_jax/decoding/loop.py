@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.decoding.auto import auto_specs, round_seconds, run_auto
 from jetflow_jax.decoding.prefill import prefill
 from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
@@ -56,7 +57,9 @@ class Generation:
   stop_reasons: list[StopReason]  # per row
   num_forwards: int  # target forward passes, prefill included
   compile_s: float  # ahead-of-time compilation of prefill and the loop
-  wall_s: float  # prefill + decoding, compilation excluded
+  wall_s: float  # prefill + decoding, compilation (and a budget calibration) excluded
+  budgets: list[int] = dataclasses.field(default_factory=list)  # with auto: each round's budget
+  calibrate_s: float = 0.0  # with auto: timing each budget's round, when not known already
 
   @property
   def num_tokens(self) -> int:
@@ -137,7 +140,8 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   options = dict(compiler_options) or None
   prefill_statics = dict(config=spec.config, drafter=spec.drafter,
                          slots=capacity + spec.drafter.depth + 1, capacity=capacity,
-                         sampled=spec.sampled, filtered=spec.filtered, mesh=mesh)
+                         ladder=len(spec.ladder), sampled=spec.sampled, filtered=spec.filtered,
+                         mesh=mesh)
 
   def build_prefill():
     executable = prefill.lower(*params, *row_args, **prefill_statics).compile(options)
@@ -157,13 +161,17 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                    cache_size: int | None = None, stop_tokens: Sequence[int] | None = None,
                    impl: str = "xla",
                    on_tokens: Callable[[list[list[int]]], None] | None = None,
-                   stream_every: int = 4, mesh: DecodeMesh | None = None) -> Generation:
+                   stream_every: int = 4, mesh: DecodeMesh | None = None,
+                   auto: bool | Sequence[int] = False) -> Generation:
   """Decodes a batch of prompts (lists of token ids) with any drafter and tree shape.
 
   With `on_tokens`, the host regains control every `stream_every` rounds and is given the
   tokens so far (streaming); otherwise one jitted loop runs to the end. Both give the same
   tokens. With `mesh`, `target_params` must be placed as `mesh.param_shardings` says; the
   drafter's params are replicated over it here and the rows split over its `data` axis.
+  With `auto`, each round's budget is chosen on the ladder up to `tree_shape.budget`
+  (`decoding.auto`): the round of each budget compiles, and is timed once per shape; `auto` a
+  sequence of ladder budgets runs them in turn instead.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -181,15 +189,31 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
     args = mesh.put(args, mesh.rows())
   spec = RoundSpec(config=config, drafter=drafter, tree_shape=tree_shape, impl=impl, mesh=mesh,
                    **sampling_flags([sampler]))
+  specs = auto_specs(spec) if auto else [spec]
 
   start = time.perf_counter()
-  prefill_fn, decode_fn = compile_decode(target_params, drafter_params, rows, spec, cache_size)
+  compiled_l = [compile_decode(target_params, drafter_params, rows, s, cache_size) for s in specs]
   compile_s = time.perf_counter() - start
+  advance_l = [functools.partial(decode_fn, target_params, drafter_params)
+               for _, decode_fn in compiled_l]
+  prefill_fn = compiled_l[0][0]
 
-  start = time.perf_counter()
+  calibrate_s, budgets = 0.0, []
   state = prefill_fn(target_params, drafter_params, *args)
-  state = run_loop(state, lambda s, rounds: decode_fn(target_params, drafter_params, s, rounds),
-                   max_new_tokens, rows.lengths_b, on_tokens, stream_every)
+  if auto is True:  # a given schedule needs no times
+    start = time.perf_counter()
+    seconds_l = round_seconds(specs, advance_l, state, rows.prompt_bt.shape, cache_size)
+    calibrate_s = time.perf_counter() - start
+  elif auto:
+    seconds_l = np.ones(len(specs))
+  start = time.perf_counter()
+  if auto:  # the prefill again, inside the clock (the calibration ran on copies of its state)
+    state = prefill_fn(target_params, drafter_params, *args)
+    state, budgets = run_auto(state, advance_l, specs[0].ladder, seconds_l, rows.lengths_b,
+                              on_tokens, None if auto is True else auto)
+  else:
+    state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
+                     stream_every)
   tokens = new_tokens(state, rows.lengths_b)
   wall_s = time.perf_counter() - start
   rounds, committed, stop_b, num_forwards = to_host(
@@ -198,7 +222,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
       tokens=tokens,
       committed_per_round=[committed[b, :rounds[b]].tolist() for b in range(len(prompts))],
       stop_reasons=[StopReason.of_code(int(code)) for code in stop_b],
-      num_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s)
+      num_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s, budgets=budgets,
+      calibrate_s=calibrate_s)
 
 
 def new_tokens(state: DecodeState, prompt_lengths_b) -> list[list[int]]:

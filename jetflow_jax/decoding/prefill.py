@@ -97,11 +97,11 @@ def prompt_scores(target_params, config: Qwen3Config, hidden_btd, prompt_bt, top
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "slots", "capacity", "top",
-                                             "sampled", "filtered", "prompt_logprobs", "mesh",
-                                             "chunk"))
+                                             "ladder", "sampled", "filtered", "prompt_logprobs",
+                                             "mesh", "chunk"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_lengths_b, keys_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
-            slots: int, capacity: int, top: int = 0, sampled: bool = True,
+            slots: int, capacity: int, top: int = 0, ladder: int = 0, sampled: bool = True,
             filtered: bool = True, prompt_logprobs: bool = False,
             mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> DecodeState:
   """The padded prompts through the target and the drafter, and each row's first token.
@@ -142,4 +142,5 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
       stop_tokens_bk=stop_tokens_bk, num_forwards=jnp.ones((), jnp.int32),
       rounds_b=jnp.zeros((batch,), jnp.int32),
       committed_br=jnp.zeros((batch, capacity), jnp.int32), logprobs_bs=logprobs_bs,
-      top_ids_bsx=top_ids_bsx, top_logprobs_bsx=top_logprobs_bsx)
+      top_ids_bsx=top_ids_bsx, top_logprobs_bsx=top_logprobs_bsx,
+      predicted_bl=jnp.ones((batch, ladder), jnp.float32))

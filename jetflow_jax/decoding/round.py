@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
+from jetflow_jax.decoding.budget import draft_expected_tau
 from jetflow_jax.decoding.state import DecodeState, is_stop, scores, stop_code
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.mesh import DecodeMesh
@@ -69,6 +70,9 @@ class RoundSpec:
   sampled: bool = True  # False promises every row is greedy: no draw is made
   filtered: bool = True  # False promises no row filters by top-k / top-p: no sort is made
   logprobs: bool = False  # True: committed tokens get the target's log-probabilities
+  # Budgets whose expected committed tokens a drafting round predicts (`budget.expected_tau`,
+  # into `DecodeState.predicted_bl`), for the loop that picks each round's budget; () for none.
+  ladder: tuple[int, ...] = ()
   mesh: DecodeMesh | None = None
 
 
@@ -80,6 +84,7 @@ class Verified:
   logits_bnv: jax.Array  # the target's float32 logits at every node
   kv: KVCache  # the nodes' own K/V, `[B, N, K, H]` per layer, not yet committed
   taps_bnld: jax.Array | None  # the nodes' taps for the drafter (None without tap layers)
+  predicted_bl: jax.Array | None  # with `RoundSpec.ladder`, the draft's expected tokens
 
 
 def _take_rows(x_bn, index_bm):
@@ -95,11 +100,19 @@ def draft_and_verify(target_params, drafter_params, state: DecodeState,
   context_len_b = state.lengths_b - 1
   anchor_b = state.tokens_bs[jnp.arange(batch), context_len_b]
 
+  shape = spec.tree_shape
   with jax.named_scope("draft"):
-    logprobs_bdv = spec.drafter.draft(drafter_params, target_params, spec.config,
-                                      state.drafter_state, anchor_b, context_len_b)
+    if shape.kind == "root":  # AR: nothing is drafted (a drafter's state still takes the taps)
+      logprobs_bdv = jnp.zeros((batch, 0, spec.config.vocab_size), jnp.float32)
+    else:
+      logprobs_bdv = spec.drafter.draft(drafter_params, target_params, spec.config,
+                                        state.drafter_state, anchor_b, context_len_b)
+  predicted_bl = None
+  if spec.ladder and shape.kind != "root":
+    with jax.named_scope("predict"):
+      predicted_bl = draft_expected_tau(logprobs_bdv, spec.ladder, shape.top_k, shape.kind)
   with jax.named_scope("build_tree"):
-    tree = spec.tree_shape(logprobs_bdv)
+    tree = shape(logprobs_bdv)
     tree = tree.replace(tokens=tree.tokens.at[:, 0].set(anchor_b))
   with jax.named_scope("verify"):
     hidden_bnd, tree_kv, taps_bnld = forward(
@@ -109,7 +122,8 @@ def draft_and_verify(target_params, drafter_params, state: DecodeState,
         tap_layers=spec.drafter.tap_layers, impl=spec.impl,
         mesh=None if spec.mesh is None else spec.mesh.mesh)
     logits_bnv = lm_logits(target_params, spec.config, hidden_bnd)
-  return Verified(tree=tree, logits_bnv=logits_bnv, kv=tree_kv, taps_bnld=taps_bnld)
+  return Verified(tree=tree, logits_bnv=logits_bnv, kv=tree_kv, taps_bnld=taps_bnld,
+                  predicted_bl=predicted_bl)
 
 
 def choose(state: DecodeState, logits_bnv, spec: RoundSpec):
@@ -143,7 +157,9 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
   rows = jnp.arange(state.lengths_b.shape[0])
   context_len_b = state.lengths_b - 1
   with jax.named_scope("accept"):
-    path_bd, accepted_depth_b, emitted_bd = accept(verified.tree, choices_bn, drafter.depth)
+    # A root-only round commits one row, whatever the drafter's depth.
+    depth = 0 if spec.tree_shape.kind == "root" else drafter.depth
+    path_bd, accepted_depth_b, emitted_bd = accept(verified.tree, choices_bn, depth)
     count_b, hit_stop_b = _commit_count(state, emitted_bd, accepted_depth_b)
   if spec.logprobs:
     with jax.named_scope("logprobs"):  # the verify's own logits along the path: no new forward
@@ -175,6 +191,8 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
     committed_br = state.committed_br.at[rows, state.rounds_b].set(count_b)
     stop_b = state.stop_b + stop_code(hit_stop_b, lengths_b, state.max_lengths_b,
                                       state.capacity, live_b)
+  if verified.predicted_bl is not None:
+    state = state.replace(predicted_bl=verified.predicted_bl)
   return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, stop_b=stop_b, cache=cache,
                        drafter_state=drafter_state, num_forwards=state.num_forwards + 1,
                        rounds_b=state.rounds_b + live_b.astype(jnp.int32),

@@ -71,6 +71,9 @@ class DecodeState:
   logprobs_bs: jax.Array
   top_ids_bsx: jax.Array
   top_logprobs_bsx: jax.Array
+  # The last drafting round's expected committed tokens at each budget of `RoundSpec.ladder`
+  # (`[B, 0]` without one): what the loop choosing budgets calibrates against what was accepted.
+  predicted_bl: jax.Array
 
   @property
   def done_b(self) -> jax.Array:

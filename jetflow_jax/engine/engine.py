@@ -166,7 +166,8 @@ def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: D
       committed_br=jnp.zeros((num_slots, capacity), jnp.int32),
       logprobs_bs=jnp.zeros((num_slots, size), jnp.float32),
       top_ids_bsx=jnp.zeros((num_slots, size, top), jnp.int32),
-      top_logprobs_bsx=jnp.zeros((num_slots, size, top), jnp.float32))
+      top_logprobs_bsx=jnp.zeros((num_slots, size, top), jnp.float32),
+      predicted_bl=jnp.ones((num_slots, 0), jnp.float32))
   return placed(EngineState(rows=rows, reported_b=zeros_b + 1), config, mesh)
 
 

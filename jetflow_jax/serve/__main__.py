@@ -31,7 +31,8 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
   parser = Parser(prog="python -m jetflow_jax.serve",
                   description=__doc__.strip().splitlines()[0])
-  add_model_flags(parser, mesh_help="devices to serve over, e.g. data=2,tp=4 (slots split over "
+  # The engine runs a fixed budget: choosing it every step is not there yet.
+  add_model_flags(parser, auto=False, mesh_help="devices to serve over, e.g. data=2,tp=4 (slots split over "
                   "data, the target over tp and ep); default: one")
   parser.add_argument("--slots", type=int, default=8, help="requests decoded together")
   parser.add_argument("--max-context", type=int,

@@ -1,0 +1,124 @@
+"""`--budget auto` in the device loop's host driver: each round's tree budget chosen on a ladder
+(AR, 4, 8, ..., the largest) from what a round of each budget costs here and what each row's
+draft predicts, calibrated against what the row accepted (`budget.py` holds those pieces).
+
+The host decides between short runs of the device loop: one round at a time while trees pay
+(each round's prediction and acceptance update the model), longer runs of AR rounds while they
+do not (no draft runs then, so nothing new is learnt), with a tree probe now and then whose
+cost is held to a small share of the AR time. Every budget's round is one compiled variant;
+its time is measured once per shape (a few rounds on copies of the state) and kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetflow_jax.decoding.budget import AcceptanceModel, best_budget, budget_ladder
+from jetflow_jax.decoding.round import RoundSpec, TreeShape
+from jetflow_jax.decoding.state import DecodeState
+from jetflow_jax.distributed import to_host
+from jetflow_jax.errors import InputError
+
+TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
+# machine only ever adds time)
+AR_RUN_S = 0.05  # AR rounds run back to back for about this long between two decisions
+PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between probes
+STREAM_INTERVAL_S = 0.05
+
+_seconds: dict = {}  # measured round times by (specs, shapes)
+
+
+def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
+  """One round per budget of the ladder up to `spec.tree_shape.budget`, each predicting the
+  draft's expected tokens at every budget (AR first: the root alone, no draft)."""
+  shape = spec.tree_shape
+  if shape.kind not in ("top_n", "accum"):
+    raise InputError(f"budget auto needs a tree (ddtree or jetflow), not the {shape.kind} shape")
+  ladder = budget_ladder(shape.budget)
+  return [dataclasses.replace(
+      spec, ladder=ladder,
+      tree_shape=TreeShape("root") if n == 1 else dataclasses.replace(shape, budget=n))
+      for n in ladder]
+
+
+def prior_tau(ladder: Sequence[int]) -> np.ndarray:
+  """Expected tokens of a row not drafted yet: what a modest head gets (it decides whether the
+  first rounds draft at all; a drafting round replaces it)."""
+  ladder = np.asarray(ladder, np.float64)
+  return np.minimum(ladder, 1.0 + 0.5 * np.log2(ladder))
+
+
+def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], state: DecodeState,
+                  *shapes) -> np.ndarray:
+  """Seconds of a round at each spec's budget on this device and these shapes (measured on
+  copies of `state` the first time, then kept)."""
+  key = (tuple(specs), jax.tree.structure(state),
+         tuple(x.shape for x in jax.tree.leaves(state)), shapes)
+  if key not in _seconds:
+    before = to_host(state.rounds_b)
+
+    def timed(advance) -> float:
+      fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+      start = time.perf_counter()
+      after = jax.block_until_ready(advance(fresh, 2))
+      elapsed = time.perf_counter() - start
+      return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1)
+
+    for advance in advance_l:
+      timed(advance)  # warm-up
+    _seconds[key] = np.array([min(timed(advance) for _ in range(TIMED_RUNS))
+                              for advance in advance_l])
+  return _seconds[key]
+
+
+def run_auto(state: DecodeState, advance_l: Sequence[Callable], ladder: tuple[int, ...],
+             seconds_l: np.ndarray, prompt_lengths_b, on_tokens=None,
+             schedule: Sequence[int] | None = None):
+  """Rounds until every row is done, each run's budget chosen as the module docstring says, or
+  taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments);
+  returns (state, the budget of every round)."""
+  rows = len(prompt_lengths_b)
+  cheapest_tree = float(np.min(seconds_l[1:])) if len(ladder) > 1 else float(seconds_l[0])
+  model = AcceptanceModel(ladder, rows, prior_tau(ladder), explore_every=max(
+      8, math.ceil(cheapest_tree / (PROBE_SHARE * seconds_l[0]))))
+  ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
+  budgets: list[int] = []
+  done_b, rounds_b = to_host((state.done_b, state.rounds_b))
+  streamed = time.perf_counter()
+  while not done_b.all():
+    live_b = ~done_b
+    tau_bl = model.estimate()[live_b]
+    tokens_l = tau_bl.sum(axis=0)
+    tokens_l[0] = live_b.sum()
+    if schedule is None:
+      index = best_budget(tokens_l, seconds_l, ladder, probe=model.probe_due(live_b)).index
+      runs = 1 if index else min(ar_run, model.explore_every - int(
+          model.ar_rounds_b[live_b].max()))
+    else:
+      index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
+    budget = ladder[index]
+    state = advance_l[index](state, max(runs, 1))
+    done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))
+    ran_b = new_rounds_b - rounds_b
+    if budget > 1:  # any drafting round predicts every budget of the ladder
+      committed_br, predicted_bl = to_host((state.committed_br, state.predicted_bl))
+      observed_b = committed_br[np.arange(rows), np.maximum(new_rounds_b - 1, 0)]
+      model.update(predicted_bl, observed_b, budget, ran_b > 0)
+    else:
+      for r in range(int(ran_b.max())):
+        model.update(None, None, 1, ran_b > r)
+    budgets += [budget] * int(ran_b.max())
+    rounds_b = new_rounds_b
+    if on_tokens is not None and (done_b.all()
+                                  or time.perf_counter() - streamed >= STREAM_INTERVAL_S):
+      tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
+      on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
+      streamed = time.perf_counter()
+  return state, budgets
