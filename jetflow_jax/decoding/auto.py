@@ -28,7 +28,7 @@ from jetflow_jax.errors import InputError
 
 TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
 # machine only ever adds time)
-AR_RUN_S = 0.05  # AR rounds run back to back for about this long between two decisions
+AR_RUN_S = 0.2  # AR rounds run back to back for about this long between two decisions
 PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between probes
 STREAM_INTERVAL_S = 0.05
 
@@ -78,12 +78,14 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], sta
   return _seconds[key]
 
 
-def run_auto(state: DecodeState, advance_l: Sequence[Callable], ladder: tuple[int, ...],
-             seconds_l: np.ndarray, prompt_lengths_b, on_tokens=None,
-             schedule: Sequence[int] | None = None):
+def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
+             ladder: tuple[int, ...], seconds_l: np.ndarray, pending: int, prompt_lengths_b,
+             on_tokens=None, schedule: Sequence[int] | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
   taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments);
-  returns (state, the budget of every round)."""
+  AR rounds keep their taps back from the drafter, at most `pending` in a row before `flush`
+  commits them (0: AR rounds commit their own). Returns (state, the budget of every round).
+  """
   rows = len(prompt_lengths_b)
   cheapest_tree = float(np.min(seconds_l[1:])) if len(ladder) > 1 else float(seconds_l[0])
   model = AcceptanceModel(ladder, rows, prior_tau(ladder), explore_every=max(
@@ -91,7 +93,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], ladder: tuple[in
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
   budgets: list[int] = []
   done_b, rounds_b = to_host((state.done_b, state.rounds_b))
-  streamed = time.perf_counter()
+  streamed, held = time.perf_counter(), 0  # AR rounds since the drafter last took their taps
   while not done_b.all():
     live_b = ~done_b
     tau_bl = model.estimate()[live_b]
@@ -104,6 +106,10 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], ladder: tuple[in
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
     budget = ladder[index]
+    if budget == 1 and pending:
+      if held == pending:
+        state, held = flush(state), 0
+      runs = min(runs, pending - held)
     state = advance_l[index](state, max(runs, 1))
     done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))
     ran_b = new_rounds_b - rounds_b
@@ -115,6 +121,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], ladder: tuple[in
       for r in range(int(ran_b.max())):
         model.update(None, None, 1, ran_b > r)
     budgets += [budget] * int(ran_b.max())
+    held = held + int(ran_b.max()) if budget == 1 else 0
     rounds_b = new_rounds_b
     if on_tokens is not None and (done_b.all()
                                   or time.perf_counter() - streamed >= STREAM_INTERVAL_S):

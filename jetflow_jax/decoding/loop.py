@@ -19,7 +19,7 @@ import numpy as np
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.auto import auto_specs, round_seconds, run_auto
 from jetflow_jax.decoding.prefill import prefill
-from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round
+from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round, flush_pending
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
                                         stop_rows, stop_tokens_for)
 from jetflow_jax.distributed import to_host
@@ -104,6 +104,18 @@ def batch_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size
               stop_tokens_bk=stop_rows([stop_tokens] * batch))
 
 
+flush = jax.jit(flush_pending, static_argnames=("drafter",), donate_argnames=("state",))
+
+
+PENDING_ROUNDS = 64
+
+
+def pending_rounds(spec: RoundSpec) -> int:
+  """How many AR rounds in a row may keep their taps back from the drafter, for the loop that
+  chooses budgets (its AR runs go back to the host this seldom at least); 0 otherwise."""
+  return PENDING_ROUNDS if spec.ladder and spec.drafter.tap_layers else 0
+
+
 class CompileCache:
   """Executables by shapes and statics, with counts (what ran can be told from what is new)."""
 
@@ -140,8 +152,8 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   options = dict(compiler_options) or None
   prefill_statics = dict(config=spec.config, drafter=spec.drafter,
                          slots=capacity + spec.drafter.depth + 1, capacity=capacity,
-                         ladder=len(spec.ladder), sampled=spec.sampled, filtered=spec.filtered,
-                         mesh=mesh)
+                         ladder=len(spec.ladder), pending=pending_rounds(spec),
+                         sampled=spec.sampled, filtered=spec.filtered, mesh=mesh)
 
   def build_prefill():
     executable = prefill.lower(*params, *row_args, **prefill_statics).compile(options)
@@ -197,6 +209,12 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   advance_l = [functools.partial(decode_fn, target_params, drafter_params)
                for _, decode_fn in compiled_l]
   prefill_fn = compiled_l[0][0]
+  if auto:
+    state_shapes = abstract(prefill_fn.out_info, None if mesh is None else
+                            prefill_fn.output_shardings)
+    flush_fn = functools.partial(flush.lower(drafter_params, state_shapes,
+                                             drafter=drafter).compile(), drafter_params)
+    compile_s = time.perf_counter() - start
 
   calibrate_s, budgets = 0.0, []
   state = prefill_fn(target_params, drafter_params, *args)
@@ -209,8 +227,9 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   start = time.perf_counter()
   if auto:  # the prefill again, inside the clock (the calibration ran on copies of its state)
     state = prefill_fn(target_params, drafter_params, *args)
-    state, budgets = run_auto(state, advance_l, specs[0].ladder, seconds_l, rows.lengths_b,
-                              on_tokens, None if auto is True else auto)
+    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l,
+                              pending_rounds(specs[0]), rows.lengths_b, on_tokens,
+                              None if auto is True else auto)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)

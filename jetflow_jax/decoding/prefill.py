@@ -97,11 +97,12 @@ def prompt_scores(target_params, config: Qwen3Config, hidden_btd, prompt_bt, top
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "slots", "capacity", "top",
-                                             "ladder", "sampled", "filtered", "prompt_logprobs",
-                                             "mesh", "chunk"))
+                                             "ladder", "pending", "sampled", "filtered",
+                                             "prompt_logprobs", "mesh", "chunk"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_lengths_b, keys_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
-            slots: int, capacity: int, top: int = 0, ladder: int = 0, sampled: bool = True,
+            slots: int, capacity: int, top: int = 0, ladder: int = 0, pending: int = 0,
+            sampled: bool = True,
             filtered: bool = True, prompt_logprobs: bool = False,
             mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> DecodeState:
   """The padded prompts through the target and the drafter, and each row's first token.
@@ -116,7 +117,10 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
   cache, hidden, drafter_state = prefill_forward(
       target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
       tap_layers=drafter.tap_layers, chunk=chunk, keep_hidden=prompt_logprobs,
-      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps, slots),
+      # Kept-back taps are committed in one block of `pending` rows: the drafter's buffers
+      # have that much more room.
+      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps,
+                                                slots + pending),
       commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
                                                               start_b))
   last_bd = hidden[rows, prompt_lengths_b - 1] if prompt_logprobs else hidden
@@ -143,4 +147,7 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
       rounds_b=jnp.zeros((batch,), jnp.int32),
       committed_br=jnp.zeros((batch, capacity), jnp.int32), logprobs_bs=logprobs_bs,
       top_ids_bsx=top_ids_bsx, top_logprobs_bsx=top_logprobs_bsx,
-      predicted_bl=jnp.ones((batch, ladder), jnp.float32))
+      predicted_bl=jnp.ones((batch, ladder), jnp.float32),
+      pending_taps_bpld=jnp.zeros((batch, pending, len(drafter.tap_layers), config.hidden_size),
+                                  cache.k[0].dtype),
+      pending_from_b=prompt_lengths_b)

@@ -183,7 +183,15 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
                             for c, t in zip(state.cache.v, tree_kv.v)))
     taps_bnld = verified.taps_bnld
     path_taps = None if taps_bnld is None else _take_rows(taps_bnld, path_bd)
-    drafter_state = drafter.commit(drafter_params, state.drafter_state, path_taps, context_len_b)
+    drafter_state, pending = state.drafter_state, state.pending_taps_bpld
+    if spec.tree_shape.kind == "root" and pending.shape[1]:
+      # Kept back, one row a round, for the next drafting round to commit all at once.
+      write = lambda buffer, row, at: jax.lax.dynamic_update_slice_in_dim(buffer, row, at, 0)
+      pending = jax.vmap(write)(pending, path_taps.astype(pending.dtype),
+                                jnp.clip(context_len_b - state.pending_from_b, 0,
+                                         pending.shape[1] - 1))
+    else:
+      drafter_state = drafter.commit(drafter_params, drafter_state, path_taps, context_len_b)
     tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
     lengths_b = state.lengths_b + count_b
     live_b = ~state.done_b
@@ -194,14 +202,26 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
   if verified.predicted_bl is not None:
     state = state.replace(predicted_bl=verified.predicted_bl)
   return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, stop_b=stop_b, cache=cache,
-                       drafter_state=drafter_state, num_forwards=state.num_forwards + 1,
+                       drafter_state=drafter_state, pending_taps_bpld=pending,
+                       num_forwards=state.num_forwards + 1,
                        rounds_b=state.rounds_b + live_b.astype(jnp.int32),
                        committed_br=committed_br)
+
+
+def flush_pending(drafter_params, state: DecodeState, drafter: Drafter) -> DecodeState:
+  """Commits the taps AR rounds kept back (`DecodeState.pending_taps_bpld`) to the drafter."""
+  if not state.pending_taps_bpld.shape[1]:
+    return state
+  drafter_state = drafter.commit(drafter_params, state.drafter_state, state.pending_taps_bpld,
+                                 state.pending_from_b)
+  return state.replace(drafter_state=drafter_state, pending_from_b=state.lengths_b - 1)
 
 
 def decode_round(target_params, drafter_params, state: DecodeState,
                  spec: RoundSpec) -> DecodeState:
   """One whole round for every row."""
+  if spec.tree_shape.kind != "root":  # the draft reads a context with every committed token
+    state = flush_pending(drafter_params, state, spec.drafter)
   verified = draft_and_verify(target_params, drafter_params, state, spec)
   with jax.named_scope("accept"):
     choices_bn = choose(state, verified.logits_bnv, spec)

@@ -74,6 +74,11 @@ class DecodeState:
   # The last drafting round's expected committed tokens at each budget of `RoundSpec.ladder`
   # (`[B, 0]` without one): what the loop choosing budgets calibrates against what was accepted.
   predicted_bl: jax.Array
+  # Taps of AR rounds not yet committed to the drafter (`[B, P, taps, D]`, P = 0 when AR rounds
+  # commit them at once): one row a round from `pending_from_b`, committed together by the next
+  # drafting round (`round.flush_pending`); the host keeps AR runs within P rounds of a flush.
+  pending_taps_bpld: jax.Array
+  pending_from_b: jax.Array
 
   @property
   def done_b(self) -> jax.Array:

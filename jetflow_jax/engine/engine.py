@@ -167,7 +167,10 @@ def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: D
       logprobs_bs=jnp.zeros((num_slots, size), jnp.float32),
       top_ids_bsx=jnp.zeros((num_slots, size, top), jnp.int32),
       top_logprobs_bsx=jnp.zeros((num_slots, size, top), jnp.float32),
-      predicted_bl=jnp.ones((num_slots, 0), jnp.float32))
+      predicted_bl=jnp.ones((num_slots, 0), jnp.float32),
+      pending_taps_bpld=jnp.zeros((num_slots, 0, len(drafter.tap_layers), config.hidden_size),
+                                  params_dtype(target_params)),
+      pending_from_b=zeros_b)
   return placed(EngineState(rows=rows, reported_b=zeros_b + 1), config, mesh)
 
 
