@@ -36,7 +36,9 @@ def parse_args(argv=None):
   parser.add_argument("--dataset", default="humaneval", help=" | ".join(DATASETS))
   parser.add_argument("--limit", type=int, default=0, help="first N prompts only")
   parser.add_argument("--methods", default="ar,dflash,ddtree,jetflow")
-  parser.add_argument("--budgets", default="16,32,64,128,256")
+  parser.add_argument("--budgets", default="16,32,64,128,256,auto",
+                      help="tree budgets; auto chooses each round's on the ladder up to the "
+                      "largest of them")
   parser.add_argument("--temperatures", default="0,1")
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--top-k", default="7", help="candidate children per depth for the trees; "
@@ -65,7 +67,7 @@ def main(argv=None):
     methods = parse_list(args.methods, str, "--methods")
     if unknown := [m for m in methods if m not in METHODS]:
       raise InputError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    budgets = parse_list(args.budgets, int, "--budgets")
+    budgets = parse_list(args.budgets, lambda x: x if x == "auto" else int(x), "--budgets")
     top_ks = parse_list(args.top_k, int, "--top-k")
     trees = parse_trees(args.trees)
     temperatures = parse_list(args.temperatures, float, "--temperatures")

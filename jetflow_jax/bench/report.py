@@ -60,13 +60,16 @@ def plot(cells, path: str, title: str = ""):
     for row, metric in enumerate(("tau", "speedup")):
       ax = axes[row, column]
       for method, tree, top_k in lines:
-        points = sorted((c.budget, getattr(c, metric)) for c in cells
-                        if (c.method, c.tree) == (method, tree) and c.temperature == temperature
-                        and top_k in (None, c.top_k))
+        mine = [c for c in cells if (c.method, c.tree) == (method, tree)
+                and c.temperature == temperature and top_k in (None, c.top_k)]
+        points = sorted((c.budget, getattr(c, metric)) for c in mine if c.budget != "auto")
+        label = method + (f" {tree}" if len(trees) > 1 else "")
+        label += f", top-k {top_k}" if len(top_ks) > 1 and top_k else ""
         if points:
-          label = method + (f" {tree}" if len(trees) > 1 else "")
-          label += f", top-k {top_k}" if len(top_ks) > 1 and top_k else ""
-          ax.plot(*zip(*points), marker="o", label=label)
+          drawn = ax.plot(*zip(*points), marker="o", label=label)[0]
+        for c in (c for c in mine if c.budget == "auto"):  # a level: it has no one budget
+          ax.axhline(getattr(c, metric), linestyle="--", label=f"{label}, auto",
+                     color=drawn.get_color() if points else None)
       ax.axhline(1.0, color="grey", linestyle=":", label="AR")
       ax.set_xscale("log", base=2)
       ax.set_xlabel("tree budget (nodes)")

@@ -16,6 +16,7 @@ import time
 from typing import Callable, Sequence
 
 from jetflow_jax.decoding import TreeShape, decode_prompts, drafter_for, tree_shape_for
+from jetflow_jax.decoding.policy import DEFAULT_BUDGET
 from jetflow_jax.errors import InputError
 from jetflow_jax.sampling import make_sampler
 
@@ -55,10 +56,12 @@ def parse_trees(text: str) -> tuple[tuple[str | None, str], ...]:
   return tuple(entries)
 
 
-def tree_cells(method: str, budgets, top_ks, trees) -> list[tuple[int, int, str]]:
-  """(budget, top_k, tree) of every cell a tree method runs."""
+def tree_cells(method: str, budgets, top_ks, trees) -> list[tuple[int | str, int, str]]:
+  """(budget, top_k, tree) of every cell a tree method runs; budget `auto` chooses each round's
+  on the ladder up to the largest fixed budget (not for wide trees: their top-k is N - 1)."""
   kinds = dict.fromkeys(t for m, t in trees if m in (None, method))
   return [(budget, top_k, tree) for budget in budgets for tree in kinds
+          if not (budget == "auto" and tree == "wide")
           for top_k in ([budget - 1] if tree == "wide" else top_ks)]
 
 
@@ -98,16 +101,19 @@ def run_benchmark(target_params, config, heads: dict, prompts: Sequence[Sequence
   for temperature in temperatures:
     sampler = make_sampler(temperature)
 
+    largest = max([b for b in budgets if b != "auto"], default=DEFAULT_BUDGET)
+
     def decode_all(method, budget, top_k=0, tree=None):
       head_config, head_params = heads.get(method, (None, None))
       drafter = drafter_for(method, config, head_params, head_config, attention,
                             warn=lambda _: None)
+      auto = budget == "auto"
       runs = []
       for seed, prompt in enumerate(prompts):
         runs.append(decode_prompts(
             target_params, config, drafter, head_params, [prompt], max_new_tokens,
-            tree_shape=tree_shape(method, budget, top_k, tree), sampler=sampler, seed=seed,
-            impl=attention))
+            tree_shape=tree_shape(method, largest if auto else budget, top_k, tree),
+            sampler=sampler, seed=seed, impl=attention, auto=auto))
         on_run()
       return runs
 
