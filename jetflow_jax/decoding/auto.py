@@ -83,8 +83,9 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
              on_tokens=None, schedule: Sequence[int] | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
   taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments);
-  AR rounds keep their taps back from the drafter, at most `pending` in a row before `flush`
-  commits them (0: AR rounds commit their own). Returns (state, the budget of every round).
+  The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
+  in a row, until `flush` commits them: before a drafting round, or when the buffer is full
+  (0: AR rounds commit their own). Returns (state, the budget of every round).
   """
   rows = len(prompt_lengths_b)
   cheapest_tree = float(np.min(seconds_l[1:])) if len(ladder) > 1 else float(seconds_l[0])
@@ -93,7 +94,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
   budgets: list[int] = []
   done_b, rounds_b = to_host((state.done_b, state.rounds_b))
-  streamed, held = time.perf_counter(), 0  # AR rounds since the drafter last took their taps
+  streamed = time.perf_counter()
+  held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
   while not done_b.all():
     live_b = ~done_b
     tau_bl = model.estimate()[live_b]
@@ -106,9 +108,9 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
     budget = ladder[index]
+    if pending and (held == pending or (budget > 1 and (held or not flushed))):
+      state, held, flushed = flush(state), 0, True
     if budget == 1 and pending:
-      if held == pending:
-        state, held = flush(state), 0
       runs = min(runs, pending - held)
     state = advance_l[index](state, max(runs, 1))
     done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))

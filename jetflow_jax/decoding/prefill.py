@@ -12,7 +12,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.state import DecodeState, is_stop, scores, stop_code
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.mesh import DecodeMesh
-from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype
+from jetflow_jax.model import KVCache, forward, lm_logits, params_dtype, write_rows
 from jetflow_jax.sampling import RowSampling
 
 # Prompt tokens per row forwarded at once: a longer prompt runs in chunks of this many, so
@@ -102,8 +102,7 @@ def prompt_scores(target_params, config: Qwen3Config, hidden_btd, prompt_bt, top
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_lengths_b, keys_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
             slots: int, capacity: int, top: int = 0, ladder: int = 0, pending: int = 0,
-            sampled: bool = True,
-            filtered: bool = True, prompt_logprobs: bool = False,
+            sampled: bool = True, filtered: bool = True, prompt_logprobs: bool = False,
             mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> DecodeState:
   """The padded prompts through the target and the drafter, and each row's first token.
 
@@ -111,18 +110,38 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
   decodes in place, so `slots = capacity + depth + 1`; an engine's one-row prefix holds its
   prompt bucket and first token, and lands in a slot of the engine's capacity). Row b draws
   with `keys_b[b]` folded with its prompt length, below every length a round folds in.
+
+  The first token gets its log-probabilities (and the `top` likeliest tokens); with
+  `prompt_logprobs`, so does every prompt token after the first. `ladder`: how many budgets a
+  round predicts for (`RoundSpec.ladder`). `pending` > 0 (the loop that chooses budgets): the
+  prompt's taps, and those of up to `pending` AR rounds after it, are kept back from the
+  drafter until a round drafts (`round.flush_pending`), so a run that stays on AR never pays
+  for the drafter's context.
   """
   batch, prompt_len = prompt_bt.shape
   rows = jnp.arange(batch)
-  cache, hidden, drafter_state = prefill_forward(
+  if pending:
+    held = prompt_len + pending
+    taps_shape = (batch, held, len(drafter.tap_layers), config.hidden_size)
+    init_taps = lambda taps: jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros(taps_shape, taps.dtype), taps, 0, axis=1)
+    commit_taps = lambda buffer, taps, start_b: write_rows(buffer, taps, start_b)
+  else:
+    init_taps = lambda taps: drafter.init_state(drafter_params, target_params, taps, slots)
+    commit_taps = lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
+                                                              start_b)
+  cache, hidden, taps_state = prefill_forward(
       target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
       tap_layers=drafter.tap_layers, chunk=chunk, keep_hidden=prompt_logprobs,
-      # Kept-back taps are committed in one block of `pending` rows: the drafter's buffers
-      # have that much more room.
-      init_taps=lambda taps: drafter.init_state(drafter_params, target_params, taps,
-                                                slots + pending),
-      commit_taps=lambda state, taps, start_b: drafter.commit(drafter_params, state, taps,
-                                                              start_b))
+      init_taps=init_taps, commit_taps=commit_taps)
+  if pending:  # an empty context with room for every kept-back row, the prompt's first
+    pending_taps_bpld, drafter_state = taps_state, jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: drafter.init_state(
+            drafter_params, target_params, taps_state[:, :1], slots + held)))
+  else:
+    drafter_state = taps_state
+    pending_taps_bpld = jnp.zeros((batch, 0, len(drafter.tap_layers), config.hidden_size),
+                                  cache.k[0].dtype)
   last_bd = hidden[rows, prompt_lengths_b - 1] if prompt_logprobs else hidden
   logits_bv = lm_logits(target_params, config, last_bd)
   draw_keys_b = jax.vmap(jax.random.fold_in)(keys_b, prompt_lengths_b)
@@ -148,6 +167,5 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
       committed_br=jnp.zeros((batch, capacity), jnp.int32), logprobs_bs=logprobs_bs,
       top_ids_bsx=top_ids_bsx, top_logprobs_bsx=top_logprobs_bsx,
       predicted_bl=jnp.ones((batch, ladder), jnp.float32),
-      pending_taps_bpld=jnp.zeros((batch, pending, len(drafter.tap_layers), config.hidden_size),
-                                  cache.k[0].dtype),
-      pending_from_b=prompt_lengths_b)
+      pending_taps_bpld=pending_taps_bpld,
+      pending_from_b=jnp.zeros_like(prompt_lengths_b) if pending else prompt_lengths_b)

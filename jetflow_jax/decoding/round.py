@@ -219,9 +219,8 @@ def flush_pending(drafter_params, state: DecodeState, drafter: Drafter) -> Decod
 
 def decode_round(target_params, drafter_params, state: DecodeState,
                  spec: RoundSpec) -> DecodeState:
-  """One whole round for every row."""
-  if spec.tree_shape.kind != "root":  # the draft reads a context with every committed token
-    state = flush_pending(drafter_params, state, spec.drafter)
+  """One whole round for every row (a drafting round after AR rounds that kept their taps back
+  needs `flush_pending` first: the loop choosing budgets calls it)."""
   verified = draft_and_verify(target_params, drafter_params, state, spec)
   with jax.named_scope("accept"):
     choices_bn = choose(state, verified.logits_bnv, spec)
