@@ -5,7 +5,8 @@ slots; sampled reproducible from its seed), streamed text only ever extends a pr
 strings cut it, bad requests get OpenAI-shaped errors and the server goes on, a client that
 leaves frees its slot, and SIGTERM drains and exits with 0. One server runs as a subprocess
 (JetFlow, as `python -m jetflow_jax.serve` starts it); the other methods and a tokenizer with a
-chat template run in-process.
+chat template run in-process. test_serve_api.py covers log-probabilities, echo, n, batches and
+best_of.
 """
 
 import concurrent.futures
@@ -284,7 +285,7 @@ BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
 @pytest.mark.parametrize("path,body,status,message,param", [
     ("completions", {"max_tokens": 4}, 400, "prompt: Field required", "prompt"),
     ("chat/completions", {"max_tokens": 4}, 400, "messages: Field required", "messages"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "greater than or equal to 1",
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "0 is only allowed with echo",
      "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ("completions", {"prompt": list(range(100)), "max_tokens": 64}, 400,
@@ -303,12 +304,16 @@ BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {"prompt": [1, True]}, 400, "a string or a list of token ids", "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "not supported yet: a list of prompts",
-     "prompt"),
-    ("completions", {"prompt": "x", "n": 2}, 400, "n: not supported yet: only 1 or null", "n"),
-    ("completions", {"prompt": "x", "logprobs": 5}, 400, "not supported yet", "logprobs"),
-    ("completions", {"prompt": "x", "echo": True}, 400, "not supported yet", "echo"),
-    ("completions", {"prompt": "x", "best_of": 2}, 400, "not supported yet", "best_of"),
+    ("completions", {"prompt": [["a"]]}, 400, "or a list of those", "prompt"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "greater than or equal to 1", "n"),
+    ("completions", {"prompt": "x", "n": 129}, 400, "less than or equal to 128", "n"),
+    ("completions", {"prompt": "x", "logprobs": 6}, 400, "less than or equal to 5", "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": True}, 400, "valid integer", "logprobs"),
+    ("completions", {"prompt": "x", "echo": 1}, 400, "valid boolean", "echo"),
+    ("completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of: must be >= n",
+     "best_of"),
+    ("completions", {"prompt": "x", "best_of": 2, "stream": True}, 400,
+     "best_of: cannot be streamed", "best_of"),
     ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix: not supported", "suffix"),
     ("completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "not supported", "logit_bias"),
     ("completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "not supported",
@@ -317,8 +322,10 @@ BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
      "response_format: not supported by this server", "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
      "tools: not supported by this server", "tools"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-     400, "not supported yet", "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs: only allowed when logprobs is true", "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 21}, 400, "less than or equal to 20", "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
      "lone surrogate U\\+D800", "messages.0.content"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
@@ -460,7 +467,12 @@ def test_any_request_body_gets_a_200_400_or_404_in_openai_shape(local, data):
   else:
     answer = json.loads(text)
     assert answer["object"] == ("chat.completion" if chat else "text_completion")
-    assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] <= 16
+    prompt, n = body.get("prompt"), body.get("n") or 1
+    batch = isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = len(prompt) if batch else 1
+    assert [c["index"] for c in answer["choices"]] == list(range(prompts * n))
+    generated = prompts * max(n, body.get("best_of") or 1)
+    assert answer["usage"]["completion_tokens"] <= 16 * generated
   assert get(f"{url}/health")[0] == 200
 
 

@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
 `service.py` runs the engine in one background thread and bridges requests to asyncio;
-`textstream.py` turns token pieces into safe text and applies stop strings; `protocol.py`
-holds the OpenAI shapes; `app.py` the FastAPI routes and the uvicorn server; `metrics.py`
-Prometheus; `__main__.py` the command line (`python -m jetflow_jax.serve`).
+`textstream.py` turns token pieces into safe text and applies stop strings; `choices.py` makes
+one answer of them, with its tokens' log-probabilities; `protocol.py` holds the OpenAI shapes;
+`app.py` the FastAPI routes and the uvicorn server; `metrics.py` Prometheus; `__main__.py` the
+command line (`python -m jetflow_jax.serve`).
 """
 
 from jetflow_jax.serve.app import Server, create_app

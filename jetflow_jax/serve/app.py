@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI routes over a `Service`, errors in OpenAI's shape, and its server.
 
-Every request is validated before it reaches the engine (a 400 names what is wrong); a client
-that goes away cancels its request, so its slot frees for the next one. A shutdown signal keeps
-the socket open through a grace period (new requests: 503) while running requests finish; those
-still running at its end get an error their client can read.
+Every request is validated before it reaches the engine (a 400 names what is wrong); each of its
+choices (prompts x n, or best_of) is a job of its own in the engine. A client that goes away
+cancels its request, so its slots free for the next one. A shutdown signal keeps the socket open
+through a grace period (new requests: 503) while running requests finish; those still running at
+its end get an error their client can read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import random
 import time
 from typing import AsyncIterator
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -28,10 +30,11 @@ from starlette.requests import Request as HTTPRequest
 
 from jetflow_jax.engine import Engine, Request
 from jetflow_jax.errors import InputError
+from jetflow_jax.serve.choices import Choice, Piece, TokenTexts
 from jetflow_jax.serve.metrics import CountRequests, Metrics
-from jetflow_jax.serve.protocol import (FINISH_REASONS, ChatRequest, CompletionRequest,
-                                        GenerationParams, Reply, error_body, usage)
-from jetflow_jax.serve.service import Job, Service, Unavailable
+from jetflow_jax.serve.protocol import (ChatRequest, CompletionRequest, GenerationParams, Reply,
+                                        error_body, usage)
+from jetflow_jax.serve.service import Service, Unavailable
 from jetflow_jax.serve.textstream import TextStream
 from jetflow_jax.text import detokenizer, encode_chat
 
@@ -60,22 +63,39 @@ def error(status: int, message: str, param: str | None = None,
                   media_type="application/json")
 
 
-async def answer(job: Job, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
-  """(new text, None) as the tokens come, then (last text, finish reason).
+def choice_seed(seed: int | None, j: int) -> int:
+  """The seed of a prompt's `j`-th choice: the request's own for the first, one derived from it
+  for the others (so each is its own draw, and a batch's first choices equal single requests);
+  drawn at random without a seed."""
+  if seed is None:
+    return random.randrange(2**32)
+  if j == 0 or not 0 <= seed < 2**32:  # the engine refuses a seed out of range, by name
+    return seed
+  return int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
 
-  It may end before the job does (a stop string): the caller cancels the job once answered.
-  """
-  async for piece in job.pieces():
-    new = text.push(piece)
-    if text.stopped:
-      yield new, "stop"
-      return
-    if new:
-      yield new, None
-  if job.finish_reason == "cancelled":
-    raise Unavailable("the request was cancelled: the server is shutting down")
-  new = text.push([], final=True)
-  yield new, "stop" if text.stopped else FINISH_REASONS[job.finish_reason]
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Piece]]:
+  """(index, piece) of every choice's pieces as they come; the first error ends it."""
+  events: asyncio.Queue = asyncio.Queue()
+
+  async def pump(index: int, choice: Choice) -> None:
+    try:
+      async for piece in choice.pieces():
+        events.put_nowait((index, piece))
+      events.put_nowait((index, None))
+    except Exception as e:
+      events.put_nowait((index, e))
+
+  tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
+  try:
+    for _ in range(len(choices)):
+      while (event := await events.get())[1] is not None:
+        if isinstance(event[1], Exception):
+          raise event[1]
+        yield event
+  finally:
+    for task in tasks:
+      task.cancel()
 
 
 async def until_disconnected(request: HTTPRequest) -> None:
@@ -98,6 +118,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
   """The OpenAI-compatible app serving `engine` as `model_name`; it runs the engine while up."""
   metrics = Metrics()
   service = Service(engine, metrics)
+  texts = TokenTexts(tokenizer)
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -158,24 +179,29 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: HTTPRequest):
-    check_model(body)
-    prompt = (body.prompt if isinstance(body.prompt, list)
-              else await tokenized("prompt", tokenizer.encode, body.prompt,
-                                   add_special_tokens=False))
-    return await respond(request, body, prompt, Reply(model_name, chat=False),
-                         body.max_tokens or DEFAULT_MAX_TOKENS)
+    check(body)
+    prompts = [p if isinstance(p, list)
+               else await tokenized("prompt", tokenizer.encode, p, add_special_tokens=False)
+               for p in body.prompt]
+    echoes = ([p if isinstance(p, str) else decode(p) for p in body.prompt] if body.echo
+              else [None] * len(prompts))
+    return await respond(
+        request, body, Reply(model_name, chat=False), prompts,
+        DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens, echoes=echoes,
+        logprobs=body.logprobs, best_of=body.best_of)
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: HTTPRequest):
-    check_model(body)
+    check(body)
     if not getattr(tokenizer, "chat_template", None):
       raise APIError(400, f"the tokenizer of {model_name} has no chat template; use "
                      "/v1/completions with a prompt instead", param="messages")
     prompt = await tokenized("messages", encode_chat, tokenizer,
                              [{"role": m.role, "content": m.content} for m in body.messages])
     room = max(engine.max_context - len(prompt), 1)  # too long a prompt: check names its length
-    return await respond(request, body, prompt, Reply(model_name, chat=True),
-                         body.max_completion_tokens or body.max_tokens or room)
+    return await respond(request, body, Reply(model_name, chat=True), [prompt],
+                         body.max_completion_tokens or body.max_tokens or room,
+                         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
   async def tokenized(field: str, encode, *args, **kwargs) -> list[int]:
     """Token ids of a request's text; what the tokenizer (or chat template) refuses is a 400."""
@@ -185,61 +211,91 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
       raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__}: {e})",
                      param=field) from None
 
-  def check_model(body: GenerationParams) -> None:
+  def check(body: GenerationParams) -> None:
+    """The model, and what spans fields (`refusal`)."""
     if body.model not in (None, model_name):
       raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                      f"{model_name!r}", param="model", code="model_not_found")
+    if refused := body.refusal():
+      raise APIError(400, refused[1], param=refused[0])
 
-  async def respond(request: HTTPRequest, body: GenerationParams, prompt: list[int],
-                    reply: Reply, max_tokens: int):
-    if body.stream_options is not None and not body.stream:
-      raise APIError(400, "stream_options: only allowed when stream is true",
-                     param="stream_options")
-    text = TextStream(decode, body.stop)
-    counts = lambda: usage(len(prompt), len(text.output_tokens))
-    with_usage = body.stream_options is not None and body.stream_options.include_usage
+  async def respond(request: HTTPRequest, body: GenerationParams, reply: Reply,
+                    prompts: list[list[int]], max_tokens: int, *,
+                    echoes: list[str | None] | None = None, logprobs: int | None = None,
+                    best_of: int | None = None):
+    """Every prompt's choices through the engine, whole or streamed. `max_tokens` 0 runs one
+    token and drops it (echo: the prompt alone); `logprobs` alternatives per token (None: no
+    log-probabilities); `best_of` > n ranks that many by mean log-probability."""
+    n = body.n or 1
+    best_of = best_of or n
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if temperature < MIN_TEMPERATURE or top_p == 0:  # a nucleus of mass 0 is the top token
       temperature, top_p = 0.0, 1.0
-    job = service.submit(Request(
-        prompt, max_tokens, temperature=temperature, top_p=top_p,
-        seed=random.randrange(2**32) if body.seed is None else body.seed))
-    # Once answered, or once the client has gone, the job is cancelled: its slot frees at once
-    # (a no-op if it has finished).
-    if body.stream:
-      return StreamingResponse(stream(job, text, reply, counts if with_usage else None),
-                               media_type="text/event-stream",
-                               background=BackgroundTask(job.cancel))
+    echoes = echoes or [None] * len(prompts)
+    # best_of ranks by the log-probabilities, asked for or not.
+    asked = logprobs if logprobs is not None or best_of == n else 0
+    requests = [Request(prompt, max(max_tokens, 1), temperature=temperature, top_p=top_p,
+                        seed=choice_seed(body.seed, j), logprobs=asked,
+                        prompt_logprobs=echo is not None and logprobs is not None)
+                for prompt, echo in zip(prompts, echoes) for j in range(best_of)]
+    for r in requests:  # all or none: InputError (400) before any runs
+      engine.check(r)
+    jobs = [service.submit(r) for r in requests]
+    choices = [Choice(job, TextStream(decode, body.stop), texts, echo=echoes[k // best_of],
+                      prompt_only=max_tokens == 0, logprobs=logprobs is not None)
+               for k, job in enumerate(jobs)]
+    counts = lambda: usage(sum(map(len, prompts)), sum(len(c.tokens) for c in choices))
 
-    async def collect() -> str:
-      async for _, reason in answer(job, text):
+    def cancel() -> None:
+      for job in jobs:
+        job.cancel()
+
+    # Once answered, or once the client has gone, the jobs are cancelled: their slots free at
+    # once (a no-op for those that have finished).
+    if body.stream:
+      with_usage = body.stream_options is not None and body.stream_options.include_usage
+      return StreamingResponse(stream(choices, reply, counts if with_usage else None),
+                               media_type="text/event-stream", background=BackgroundTask(cancel))
+
+    async def collect() -> bool:
+      async for _ in merged(choices):
         pass
-      return reason
+      return True
 
     try:
-      reason = await unless_disconnected(request, collect())
+      done = await unless_disconnected(request, collect())
     finally:
-      job.cancel()
-    if reason is None:
+      cancel()
+    if done is None:
       return Response(status_code=499)  # the client closed the request
-    return reply.whole(text.text, reason, text.output_tokens, counts())
+    kept = choices
+    if best_of > n:  # each prompt's n best by mean log-probability, best first
+      kept = [c for i in range(0, len(choices), best_of)
+              for c in sorted(choices[i:i + best_of], key=lambda c: c.mean_logprob,
+                              reverse=True)[:n]]
+    return reply.whole([reply.choice(i, c.text, c.finish_reason, c.tokens,
+                                     c.logprobs if c.show_logprobs else None)
+                        for i, c in enumerate(kept)], counts())
 
   return app
 
 
-async def stream(job: Job, text: TextStream, reply: Reply, counts) -> AsyncIterator[str]:
-  """Server-sent events: chunks as text is safe to send, the usage if asked, then [DONE].
+async def stream(choices: list[Choice], reply: Reply, counts) -> AsyncIterator[str]:
+  """Server-sent events: each choice's chunks as its text is safe to send (with its tokens'
+  log-probabilities, if asked), the usage if asked, then [DONE].
 
   Starlette cancels this generator when the client disconnects, then runs the response's
-  background task, which cancels the job.
+  background task, which cancels the jobs.
   """
   event = lambda body: f"data: {json.dumps(body)}\n\n"
   if reply.chat:
-    yield event(reply.chunk("", role=True))
+    for index in range(len(choices)):
+      yield event(reply.chunk(index, "", role=True))
   try:
-    async for new, reason in answer(job, text):
-      yield event(reply.chunk(new, reason))
+    async for index, piece in merged(choices):
+      shown = piece.logprobs if choices[index].show_logprobs else None
+      yield event(reply.chunk(index, piece.text, piece.finish_reason, logprobs=shown))
   except Unavailable as e:  # an error event, then the stream's usual end: clients read both
     yield event(error_body(str(e), 503))
     yield "data: [DONE]\n\n"
