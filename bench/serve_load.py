@@ -5,12 +5,15 @@ Run from the repository root:
   python bench/serve_load.py                         # embedded pair, jetflow, 8 slots, 32 requests
   python bench/serve_load.py --method ar --requests 64 --max-tokens 64
 
-Starts `python -m jetflow_jax.serve` on the embedded pair as a subprocess and warms it up (each
-prompt once with max_tokens 1, so every prompt bucket has compiled). Then the same `--requests`
-greedy, streamed completions of HumanEval prompts, twice: `--concurrency` at a time (default: the
-slots), then one at a time. For each: completion tokens per second over the run, p50 / p99 of
-the request latency and of the time to the first streamed text, and whether every answer is the
-same in both runs. Prints a table, writes a JSON (`--out`), and stops the server with SIGTERM.
+Starts `python -m jetflow_jax.serve` on the embedded pair as a subprocess, which compiles every
+variant before /health says it is up (the start-up time is reported). First, one request of each
+kind (greedy, sampled, sampled with top-p, logprobs, lm_eval's echo call) four times in a row:
+the first's latency against the median of the later three, which no compile should separate
+(within 2x). Then the same `--requests` greedy, streamed completions of HumanEval prompts,
+twice: `--concurrency` at a time (default: the slots), then one at a time. For each: completion
+tokens per second over the run, p50 / p99 of the request latency and of the time to the first
+streamed text, and whether every answer is the same in both runs. Prints the tables, writes a
+JSON (`--out`), and stops the server with SIGTERM.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ from jetflow_jax.decoding import METHODS  # noqa: E402
 from jetflow_jax.text import load_tokenizer  # noqa: E402
 
 MODEL = "jetflow-embedded"
+# Request options by kind; sampled ones have a seed, so every repeat does the same work.
+KINDS = {
+    "greedy": dict(temperature=0),
+    "sampled": dict(temperature=0.8, seed=1),
+    "sampled, top-p": dict(temperature=0.8, top_p=0.9, seed=1),
+    "logprobs": dict(temperature=0, logprobs=5),
+    "echo (lm_eval)": dict(temperature=0, max_tokens=1, echo=True, logprobs=1),
+}
 
 
 def free_port() -> int:
@@ -65,6 +76,26 @@ def start_server(args, port: int, log) -> subprocess.Popen:
         server.kill()
         raise SystemExit("the server did not come up within 600 s")
       time.sleep(0.5)
+
+
+def first_requests(url: str, prompt: str, max_tokens: int, repeats: int = 3) -> list[dict]:
+  """Per kind: the latency of its first request, the programs the server compiled for it, and
+  the median latency of `repeats` more."""
+  client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=3600)
+  rows = []
+  for kind, options in KINDS.items():
+    options = {"max_tokens": max_tokens, **options}
+    latencies, compiled = [], server_metric(url, "jetflow_compiles_total")
+    for _ in range(1 + repeats):
+      start = time.perf_counter()
+      client.completions.create(model=MODEL, prompt=prompt, **options)
+      latencies.append(time.perf_counter() - start)
+      if len(latencies) == 1:
+        compiled = server_metric(url, "jetflow_compiles_total") - compiled
+    later = float(np.median(latencies[1:]))
+    rows.append({"kind": kind, "first_s": latencies[0], "compiles": int(compiled),
+                 "later_s": later, "ratio": latencies[0] / later})
+  return rows
 
 
 async def one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict:
@@ -109,9 +140,9 @@ async def run(url: str, prompts: list[str], concurrency: int, max_tokens: int) -
           "texts": [a["text"] for a in answers]}
 
 
-def server_tau(url: str) -> float:
+def server_metric(url: str, name: str) -> float:
   with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-    line = next(l for l in response.read().decode().splitlines() if l.startswith("jetflow_tau "))
+    line = next(l for l in response.read().decode().splitlines() if l.startswith(f"{name} "))
   return float(line.split()[1])
 
 
@@ -137,11 +168,13 @@ def main():
   port = free_port()
   url = f"http://127.0.0.1:{port}"
   with tempfile.NamedTemporaryFile("w", prefix="serve_load.", suffix=".log", delete=False) as log:
+    start = time.perf_counter()
     server = start_server(args, port, log)
+    start_s = time.perf_counter() - start
     try:
-      asyncio.run(run(url, prompts, concurrency, 1))  # compile every prompt bucket
+      first = first_requests(url, prompts[0], args.max_tokens)
       runs = [asyncio.run(run(url, prompts, c, args.max_tokens)) for c in (concurrency, 1)]
-      tau = server_tau(url)
+      tau = server_metric(url, "jetflow_tau")
     finally:
       server.send_signal(signal.SIGTERM)
       exit_code = server.wait(timeout=60)
@@ -149,9 +182,15 @@ def main():
   identical = runs[0]["texts"] == runs[1]["texts"]
   for r in runs:
     del r["texts"]
-  print(f"{args.method}, {args.slots} slots, {len(prompts)} HumanEval prompts, "
-        f"{args.max_tokens} tokens at most, tau {tau:.2f}, answers identical at both "
-        f"concurrencies: {identical}")
+  print(f"{args.method}, {args.slots} slots of {args.context} tokens: up (every variant "
+        f"compiled) {start_s:.1f} s after start")
+  print("| first request of each kind | first s | its compiles | later s (median of 3) | "
+        "first / later |\n|---|---|---|---|---|")
+  for r in first:
+    print(f"| {r['kind']} | {r['first_s']:.3f} | {r['compiles']} | {r['later_s']:.3f} | "
+          f"{r['ratio']:.2f} |")
+  print(f"\n{len(prompts)} HumanEval prompts, {args.max_tokens} tokens at most, tau {tau:.2f}, "
+        f"answers identical at both concurrencies: {identical}")
   print("| concurrency | tokens/s | latency p50 s | latency p99 s | TTFT p50 s | TTFT p99 s |\n"
         "|---|---|---|---|---|---|")
   for r in runs:
@@ -159,6 +198,7 @@ def main():
           f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |")
   with open(out, "w") as f:
     json.dump({"settings": dict(vars(args), concurrency=concurrency, out=out), "tau": tau,
+               "start_s": start_s, "first_requests": first,
                "identical_at_both_concurrencies": identical, "server_exit_code": exit_code,
                "runs": runs}, f, indent=1)
 

@@ -37,7 +37,7 @@ def ours(target, tokenizer):
   config, params = target
   engine = make_engine(params, config, method="ar", num_slots=4, max_context=64,
                        rounds_per_step=2)
-  url, server, thread = serve_in_thread(create_app(engine, tokenizer, "tiny"))
+  url, server, thread = serve_in_thread(create_app(engine, tokenizer, "tiny", warm_up=False))
   yield url
   server.should_exit = True
   thread.join(30)

@@ -3,10 +3,10 @@
 Every answer is the engine's for that prompt alone (greedy token for token, whatever shares the
 slots; sampled reproducible from its seed), streamed text only ever extends a prefix of it, stop
 strings cut it, bad requests get OpenAI-shaped errors and the server goes on, a client that
-leaves frees its slot, and SIGTERM drains and exits with 0. One server runs as a subprocess
-(JetFlow, as `python -m jetflow_jax.serve` starts it); the other methods and a tokenizer with a
-chat template run in-process. test_serve_api.py covers log-probabilities, echo, n, batches and
-best_of.
+leaves frees its slot, SIGTERM drains and exits with 0, and once warm no request compiles. One
+server runs as a subprocess (JetFlow, as `python -m jetflow_jax.serve` starts it, warming up);
+the other methods and a tokenizer with a chat template run in-process, compiling on demand.
+test_serve_api.py covers log-probabilities, echo, n, batches and best_of.
 """
 
 import concurrent.futures
@@ -91,11 +91,13 @@ def settle(url: str) -> dict:
 
 
 class Subprocess:
-  """`python -m jetflow_jax.serve` on a free port; `url` waits until it answers."""
+  """`python -m jetflow_jax.serve` on a free port; `url` waits until it answers (`warming`: the
+  bodies of the 503s /health gave meanwhile)."""
 
   def __init__(self, log_path, flags=FLAGS, **env):
     self.port = free_port()
     self.log_path = log_path
+    self.warming: list[dict] = []
     with open(log_path, "w") as log:
       self.process = subprocess.Popen(
           [sys.executable, "-m", "jetflow_jax.serve", *flags, "--port", str(self.port)],
@@ -112,8 +114,10 @@ class Subprocess:
     while True:
       assert self.process.poll() is None, open(self.log_path).read()
       try:
-        if get(f"{url}/health")[0] == 200:
+        status, body = get(f"{url}/health")
+        if status == 200:
           return url
+        self.warming.append(json.loads(body))
       except OSError:
         pass
       assert time.monotonic() < deadline, ("the server did not come up:\n"
@@ -169,7 +173,7 @@ def local(engine_for):
   def start(method):
     tokenizer = load_tokenizer(embedded.default_target())
     tokenizer.chat_template = TEMPLATE if method == "ar" else None
-    app = create_app(engine_for(method), tokenizer, MODEL)
+    app = create_app(engine_for(method), tokenizer, MODEL, warm_up=False)
     url, uvicorn_server, thread = serve_in_thread(app)
     running.append((uvicorn_server, thread))
     return url, app
@@ -207,6 +211,53 @@ def test_a_completion_is_the_engines_output_for_the_prompt_alone(server, solo, t
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens,
             answer.usage.total_tokens) == (prompt_tokens, MAX_TOKENS, prompt_tokens + MAX_TOKENS)
+
+
+def test_health_says_warming_up_until_every_variant_has_compiled(server):
+  url = server.url  # waits for /health's 200
+  assert server.warming, "no 503 while warming up"
+  for body in server.warming:
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"].startswith("warming up: ")
+  log = open(server.log_path).read()
+  assert re.search(r"warming up \d+/\d+: prompts of 65-127 tokens with their log-probabilities",
+                   log) and "warm: " in log
+  assert get(f"{url}/health") == (200, '{"status":"ok"}')
+
+
+KINDS = [  # one of each kind of request, over every prompt bucket of the server's context
+    {"prompt": PROMPTS[0], "temperature": 0},
+    {"prompt": PROMPTS[0], "temperature": 0.8, "seed": 1},
+    {"prompt": PROMPTS[0], "temperature": 0.8, "top_p": 0.9},
+    {"prompt": PROMPTS[0], "temperature": 0, "logprobs": 2},
+    {"prompt": PROMPTS[0], "temperature": 0.8, "top_p": 0.9, "logprobs": 0},
+    {"prompt": PROMPTS[0], "echo": True, "max_tokens": 0, "logprobs": 1},
+    {"prompt": list(range(1, 40)), "echo": True, "temperature": 0},
+    {"prompt": [list(range(1, 20)), list(range(1, 100))], "echo": True, "logprobs": 1,
+     "temperature": 0, "max_tokens": 1},
+    {"prompt": PROMPTS[1], "n": 2, "temperature": 0.7, "stream": True},
+    {"prompt": PROMPTS[1], "best_of": 2, "temperature": 0.7},
+]
+
+
+def test_once_warm_no_request_compiles(server):
+  url = server.url
+  compiles = lambda: metrics(url)[("jetflow_compiles_total", ())]
+  before = compiles()
+
+
+  def ask(body: dict) -> int:  # streamed or not; a status other than 200 raises
+    request = urllib.request.Request(f"{url}/v1/completions",
+                                     json.dumps({"max_tokens": 4, **body}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+      response.read()
+      return response.status
+
+  assert [ask(body) for body in KINDS] == [200] * len(KINDS)
+  with concurrent.futures.ThreadPoolExecutor(len(KINDS)) as pool:  # together in one batch
+    assert list(pool.map(ask, KINDS)) == [200] * len(KINDS)
+  assert compiles() == before
 
 
 def test_concurrent_requests_each_equal_their_output_alone(server, solo):
@@ -621,10 +672,11 @@ def test_sigterm_drains_running_requests_and_exits_0(server):
 
 def test_streams_still_running_when_the_grace_ends_get_an_error_event(tmp_path):
   """A zero grace cuts at once: of four streams, one running and three waiting for the one
-  slot, each ends with an error event and [DONE], which the openai client raises."""
+  slot, each ends with an error event and [DONE], which the openai client raises. (No warm-up:
+  it sends one kind of request.)"""
   served = Subprocess(tmp_path / "server.log", ["--method", "ar", "--slots", "1",
                                                  "--max-context", str(CONTEXT)],
-                      JETFLOW_SHUTDOWN_GRACE_S="0")
+                      JETFLOW_SHUTDOWN_GRACE_S="0", JETFLOW_WARM_UP="0")
   try:
     url = served.url
     body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0}

@@ -134,11 +134,11 @@ class Orchestrator:
   def _prompt_logprobs(self, stream: Stream, prefix) -> None:
     """The prompt's log-probabilities, read off its prefill (a wait, for the requests asking)."""
     length, top = len(stream.request.prompt), stream.request.logprobs or 0
+    # Whole rows, cut here: slicing on device compiles a program per prompt length.
     logprobs, ids, values = jax.device_get(
-        (prefix.logprobs_bs[0, 1:length], prefix.top_ids_bsx[0, 1:length, :top],
-         prefix.top_logprobs_bsx[0, 1:length, :top]))
-    stream.prompt_logprobs = [None] + logprobs.tolist()
-    stream.prompt_top_logprobs = [None] + pairs(ids, values)
+        (prefix.logprobs_bs, prefix.top_ids_bsx, prefix.top_logprobs_bsx))
+    stream.prompt_logprobs = [None] + logprobs[0, 1:length].tolist()
+    stream.prompt_top_logprobs = [None] + pairs(ids[0, 1:length, :top], values[0, 1:length, :top])
 
   def _finish(self, stream: Stream, reason: StopReason) -> None:
     """Ends `stream`; its slot, if it holds one, is evicted and free for the next request."""

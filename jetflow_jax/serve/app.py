@@ -2,9 +2,10 @@
 
 Every request is validated before it reaches the engine (a 400 names what is wrong); each of its
 choices (prompts x n, or best_of) is a job of its own in the engine. A client that goes away
-cancels its request, so its slots free for the next one. A shutdown signal keeps the socket open
-through a grace period (new requests: 503) while running requests finish; those still running at
-its end get an error their client can read.
+cancels its request, so its slots free for the next one. Until the engine has compiled every
+variant, /health answers 503 (warming up) while requests wait. A shutdown signal keeps the
+socket open through a grace period (new requests: 503) while running requests finish; those
+still running at its end get an error their client can read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from typing import AsyncIterator
 
@@ -28,6 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
+from jetflow_jax import compile_cache
 from jetflow_jax.engine import Engine, Request
 from jetflow_jax.errors import InputError
 from jetflow_jax.serve.choices import Choice, Piece, TokenTexts
@@ -40,6 +43,7 @@ from jetflow_jax.text import detokenizer, encode_chat
 
 GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cut
 GRACE_ENV = "JETFLOW_SHUTDOWN_GRACE_S"  # overrides GRACE_S (seconds)
+WARM_UP_ENV = "JETFLOW_WARM_UP"  # 0: compile on demand instead of at start-up
 CUT_S = 5  # how long requests cut at the grace's end get to send their error
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the slot's room
 # Below this a temperature samples as greedy: float32 logits divided by a smaller one can
@@ -114,15 +118,23 @@ async def unless_disconnected(request: HTTPRequest, work):
   return task.result() if task in done else None
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
-  """The OpenAI-compatible app serving `engine` as `model_name`; it runs the engine while up."""
+def create_app(engine: Engine, tokenizer, model_name: str, *,
+               warm_up: bool | None = None) -> FastAPI:
+  """The OpenAI-compatible app serving `engine` as `model_name`; it runs the engine while up.
+
+  With `warm_up` (default: $JETFLOW_WARM_UP, on unless 0), the engine compiles every variant a
+  request can reach before it takes one (progress on stderr); JAX's persistent compilation
+  cache (`compile_cache`) keeps them for the next start.
+  """
+  compile_cache.enable()
   metrics = Metrics()
-  service = Service(engine, metrics)
+  service = Service(engine, metrics, warm_up_default() if warm_up is None else warm_up,
+                    log=lambda line: print(line, file=sys.stderr, flush=True))
   texts = TokenTexts(tokenizer)
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
-    await asyncio.to_thread(service.start)
+    service.start()
     yield
     service.stop()
 
@@ -166,6 +178,8 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
   async def health():
     if not service.available:
       raise Unavailable(service.error or "the server is shutting down")
+    if service.warming is not None:
+      raise Unavailable(f"warming up: {service.warming}")
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -317,6 +331,15 @@ def grace_seconds() -> float:
   except ValueError:
     raise InputError(f"{GRACE_ENV} must be a number of seconds >= 0 (got {value!r})") from None
   return seconds
+
+
+def warm_up_default() -> bool:
+  """Whether a server warms up: $JETFLOW_WARM_UP (1 or 0), on if unset."""
+  value = os.environ.get(WARM_UP_ENV, "1")
+  if value not in ("0", "1"):
+    raise InputError(f"{WARM_UP_ENV} must be 1 (compile every variant at start-up) or 0 "
+                     f"(compile on demand) (got {value!r})")
+  return value == "1"
 
 
 class Server(uvicorn.Server):

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from jetflow_jax.engine import Stream
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# JAX records this once per program it lowers, whether XLA then compiles it or the persistent
+# cache has it: a jit call that finds its program already in memory records nothing.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_lowered = [0]
+
+
+@functools.cache
+def count_compiles() -> None:
+  """Counts every program JAX lowers in this process from now on (once per process: JAX's
+  listeners cannot be removed)."""
+
+  def listen(event: str, duration: float, **_) -> None:
+    if event == LOWERING_EVENT:
+      _lowered[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+
+
+def compiles() -> int:
+  """Programs lowered in this process since `count_compiles` was first called."""
+  return _lowered[0]
+
+
+class Compiles:
+  """The process's compile count, read when scraped."""
+
+  def collect(self):
+    yield CounterMetricFamily("jetflow_compiles", "programs JAX compiled (or loaded from the "
+                              "persistent cache) in this process; one a request adds is one it "
+                              "waited for", value=compiles())
 
 
 class Metrics:
-  """Requests by endpoint and status, tokens, tau, the queue, the slots, and step times."""
+  """Requests by endpoint and status, tokens, tau, the queue, the slots, step times and compiles."""
 
   def __init__(self):
     self.registry = CollectorRegistry()
@@ -30,6 +64,8 @@ class Metrics:
     self.step_seconds = Histogram(
         "jetflow_step_seconds", "one engine step (rounds_per_step rounds) as the host loop sees it",
         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)
+    count_compiles()
+    r.register(Compiles())
     self._round_tokens = self._rounds = 0
 
   def finished(self, stream: Stream) -> None:

@@ -4,6 +4,11 @@ The `Orchestrator` is not thread-safe, so one background thread owns it: it take
 jobs from a thread-safe queue, steps the engine while anything runs, and posts each job's token
 pieces and its end onto the event loop that submitted it (`call_soon_threadsafe`). Cancelling
 is a flag the thread reads at its next step, so any thread may cancel.
+
+Before it takes a request the thread warms up: it runs one small request through every program
+a request can reach (each prompt bucket's prefill, with and without the prompt's
+log-probabilities, and every step variant), so no client waits for a compile. Requests that
+arrive meanwhile wait their turn; `warming` says how far it is.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import threading
 import time
 import traceback
 import weakref
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from jetflow_jax.decoding.state import bucket_length
 from jetflow_jax.engine import Engine, Orchestrator, Request, Stream
 from jetflow_jax.serve.metrics import Metrics
 
@@ -67,24 +73,47 @@ class Job:
       pass
 
 
-class Service:
-  """Runs `engine` in a background thread; `submit` from the event loop, `cancel` from anywhere."""
+def warm_up_requests(engine: Engine) -> list[tuple[str, Request]]:
+  """One request per program a request can reach, with what it compiles: each prompt bucket's
+  prefill and insert, with and without the prompt's log-probabilities (echo), then each step
+  variant (greedy, sampled, sampled and filtered; each with and without log-probabilities)."""
+  plan, length = [], 1
+  while length < engine.max_context:  # a prompt leaves room for one token
+    bucket = bucket_length(length, engine.max_context)
+    what = f"prompts of {length}-{min(bucket, engine.max_context - 1)} tokens"
+    step = ", the greedy step" if length == 1 else ""
+    plan += [(what + step, Request([0] * length, 1, stop_tokens=())),
+             (f"{what} with their log-probabilities{step and step + ' with log-probabilities'}",
+              Request([0] * length, 1, stop_tokens=(), logprobs=0, prompt_logprobs=True))]
+    length = bucket + 1
+  for what, sampling in (("the sampled step", dict(temperature=1.0)),
+                         ("the sampled step with top-p", dict(temperature=1.0, top_p=0.5))):
+    plan += [(what, Request([0], 1, stop_tokens=(), **sampling)),
+             (f"{what}, with log-probabilities",
+              Request([0], 1, stop_tokens=(), logprobs=0, **sampling))]
+  return plan
 
-  def __init__(self, engine: Engine, metrics: Metrics):
-    self.engine, self.metrics = engine, metrics
+
+class Service:
+  """Runs `engine` in a background thread; `submit` from the event loop, `cancel` from anywhere.
+
+  With `warm_up`, the thread first compiles every variant (see the module's docstring),
+  reporting each to `log`; without, a request that needs a new program compiles it.
+  """
+
+  def __init__(self, engine: Engine, metrics: Metrics, warm_up: bool = True,
+               log: Callable[[str], None] = print):
+    self.engine, self.metrics, self.log = engine, metrics, log
     self.draining = False  # set on SIGTERM: new requests are refused, running ones go on
     self.error: str | None = None
+    self.warming: str | None = "starting" if warm_up else None  # None once warm
     self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-    self._ready = threading.Event()
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()  # submitted; gone once unreferenced
 
   def start(self) -> None:
-    """Starts the engine thread; returns once its first step has compiled."""
+    """Starts the engine thread (warming up first, if asked); returns at once."""
     self._thread.start()
-    self._ready.wait()
-    if self.error:
-      raise RuntimeError(f"the engine failed to start: {self.error}")
 
   def stop(self) -> None:
     """Cancels every request and ends the engine thread, after the step it is in.
@@ -117,12 +146,11 @@ class Service:
         job.cut(message)
 
   def _run(self) -> None:
-    orchestrator = Orchestrator(self.engine)
     jobs: list[Job] = []
     try:
-      # Compile the first prompt bucket and the greedy step before the first client waits.
-      orchestrator.generate([Request([0], 1, stop_tokens=())])
-      self._ready.set()
+      orchestrator = Orchestrator(self.engine)
+      if self.warming is not None:
+        self._warm_up(orchestrator)
       while self._admit(orchestrator, jobs):
         steps = orchestrator.num_steps
         start = time.perf_counter()
@@ -141,12 +169,25 @@ class Service:
       for job in jobs:
         job.post("error", self.error)
     finally:
-      self._ready.set()
       for job in jobs:
         job.post("done", "cancelled")
       while not self._inbox.empty():
         if (job := self._inbox.get()) is not None:
           job.post("done", "cancelled")
+
+  def _warm_up(self, orchestrator: Orchestrator) -> None:
+    """Runs `warm_up_requests` one at a time (a shutdown stops it between two)."""
+    plan, start = warm_up_requests(self.engine), time.perf_counter()
+    for done, (what, request) in enumerate(plan):
+      if self.draining:
+        return
+      self.warming = f"compiling {done + 1} of {len(plan)} variants ({what})"
+      began = time.perf_counter()
+      orchestrator.generate([request])
+      self.log(f"warming up {done + 1}/{len(plan)}: {what} "
+               f"({time.perf_counter() - began:.1f} s)")
+    self.warming = None
+    self.log(f"warm: {len(plan)} variants in {time.perf_counter() - start:.1f} s; taking requests")
 
   def _admit(self, orchestrator: Orchestrator, jobs: list[Job]) -> bool:
     """Submits queued jobs (waiting for one while idle); False once the service stops."""
