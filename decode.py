@@ -20,7 +20,7 @@ import sys
 
 
 
-from jetflow_jax import cli, distributed
+from jetflow_jax import cli, compile_cache, distributed
 from jetflow_jax.decoding import StopReason, speculative_generate
 from jetflow_jax.decoding.state import check_context_window
 from jetflow_jax.errors import InputError
@@ -112,6 +112,7 @@ def main(argv=None) -> None:
     distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     if not distributed.is_main_process():
       sys.stdout = open(os.devnull, "w")  # process 0 speaks for the job
+    compile_cache.enable()  # a second run of the same shapes compiles nothing
     if args.prompt is None and args.prompt_ids is None and args.prompts_file is None:
       raise InputError("give a prompt: --prompt, --prompt-ids or --prompts-file")
     if args.batch_size < 1:

@@ -16,7 +16,7 @@ import sys
 
 import tqdm
 
-from jetflow_jax import cli
+from jetflow_jax import cli, compile_cache
 from jetflow_jax.bench import report
 from jetflow_jax.bench.datasets import DATASETS, load_prompts
 from jetflow_jax.bench.run import (parse_trees, run_benchmark, runs_per_benchmark,
@@ -64,6 +64,7 @@ def main(argv=None):
   args = parse_args(argv)
 
   def bench():
+    compile_cache.enable()
     methods = parse_list(args.methods, str, "--methods")
     if unknown := [m for m in methods if m not in METHODS]:
       raise InputError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
