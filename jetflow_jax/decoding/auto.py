@@ -82,7 +82,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
              ladder: tuple[int, ...], seconds_l: np.ndarray, pending: int, prompt_lengths_b,
              on_tokens=None, schedule: Sequence[int] | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
-  taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments);
+  taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments).
   The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
   (0: AR rounds commit their own). Returns (state, the budget of every round).
