@@ -177,10 +177,10 @@ def main(argv=None) -> None:
       print(json.dumps(summary))
     else:
       chosen = collections.Counter(result.budgets)
-      budgets = (" (auto: " + ", ".join(f"{'AR' if n == 1 else n} x{k}"
-                                        for n, k in sorted(chosen.items())) + ")"
+      budgets = ("budget auto: " + ", ".join(f"{'AR' if n == 1 else n} x{k}"
+                                             for n, k in sorted(chosen.items())) + "; "
                  if chosen else "")
-      line = (f"\n\n[{method}{budgets}: {summary['num_new_tokens']} tokens, "
+      line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, {budgets}"
               f"{result.num_forwards} target forwards, tau {summary['tau']}, "
               f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
       if compare_ar:

@@ -127,6 +127,9 @@ class DecodeMesh:
       return jax.device_put(tree, sharding)
 
     def put_leaf(x):
+      if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put_leaf(jax.random.key_data(x)),
+                                        impl=jax.random.key_impl(x))
       host = np.asarray(x)
       return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return jax.tree.map(put_leaf, tree)
