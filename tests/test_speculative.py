@@ -73,9 +73,13 @@ class CheatingDrafter:
   def init_state(self, params, target_params, taps_btld, cache_size):
     return jnp.zeros((), jnp.int32)
 
-  def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
+  def known(self, params, context_len_b):
+    """`[B, D]`: the reference tokens at depths 1..D after each row's anchor."""
     index_bd = context_len_b[:, None] + 1 + jnp.arange(self.depth)[None, :]
-    next_bd = jnp.take_along_axis(params, jnp.minimum(index_bd, params.shape[1] - 1), axis=1)
+    return jnp.take_along_axis(params, jnp.minimum(index_bd, params.shape[1] - 1), axis=1)
+
+  def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
+    next_bd = self.known(params, context_len_b)
     return jax.nn.log_softmax(30.0 * jax.nn.one_hot(next_bd, target_config.vocab_size), axis=-1)
 
   def commit(self, params, state, taps_btld, start_b):

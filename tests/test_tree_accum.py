@@ -12,6 +12,7 @@ import jetflow_jax
 from jetflow_jax.decoding import TreeShape, decode_prompts, generate
 from jetflow_jax.errors import InputError
 from jetflow_jax.tree import build_tree_accum, chain_tree
+from test_speculative import CheatingDrafter
 
 jit_accum = jax.jit(build_tree_accum, static_argnames=("budget", "top_k"))
 
@@ -122,26 +123,16 @@ def test_bad_arguments():
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceDrafter:
+class ReferenceDrafter(CheatingDrafter):
   """Drafts a known continuation (its params: `[B, S]` tokens) and two equal runners-up."""
 
-  depth: int
-  tap_layers: tuple[int, ...] = ()
-
-  def init_state(self, params, target_params, taps_btld, cache_size):
-    return jnp.zeros((), jnp.int32)
-
   def draft(self, params, target_params, target_config, state, anchor_b, context_len_b):
-    index_bd = context_len_b[:, None] + 1 + jnp.arange(self.depth)[None, :]
-    next_bd = jnp.take_along_axis(params, jnp.minimum(index_bd, params.shape[1] - 1), axis=1)
+    next_bd = self.known(params, context_len_b)
     vocab = target_config.vocab_size
     logits_bdv = 8.0 * jax.nn.one_hot(next_bd, vocab)
     for shift in (1, 2):  # ties inside the tree, the drafted token still on top
       logits_bdv += 2.0 * jax.nn.one_hot((next_bd + shift) % vocab, vocab)
     return jax.nn.log_softmax(logits_bdv, axis=-1)
-
-  def commit(self, params, state, taps_btld, start_b):
-    return state
 
 
 PROMPTS = [[5, 17, 3, 88, 40], [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [60, 61, 62]]

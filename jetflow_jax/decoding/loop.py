@@ -217,16 +217,13 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
     compile_s = time.perf_counter() - start
 
   calibrate_s, budgets = 0.0, []
-  state = prefill_fn(target_params, drafter_params, *args)
-  if auto is True:  # a given schedule needs no times
-    start = time.perf_counter()
-    seconds_l = round_seconds(specs, advance_l, state, rows.prompt_bt.shape, cache_size)
-    calibrate_s = time.perf_counter() - start
-  elif auto:
-    seconds_l = np.ones(len(specs))
   start = time.perf_counter()
-  if auto:  # the prefill again, inside the clock (the calibration ran on copies of its state)
-    state = prefill_fn(target_params, drafter_params, *args)
+  state = prefill_fn(target_params, drafter_params, *args)
+  if auto:
+    calibrating = time.perf_counter()  # on copies of the state; its time is left out below
+    seconds_l = (round_seconds(specs, advance_l, state, rows.prompt_bt.shape, cache_size)
+                 if auto is True else np.ones(len(specs)))  # a given schedule needs no times
+    calibrate_s = time.perf_counter() - calibrating
     state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l,
                               pending_rounds(specs[0]), rows.lengths_b, on_tokens,
                               None if auto is True else auto)
@@ -234,7 +231,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)
   tokens = new_tokens(state, rows.lengths_b)
-  wall_s = time.perf_counter() - start
+  wall_s = time.perf_counter() - start - calibrate_s
   rounds, committed, stop_b, num_forwards = to_host(
       (state.rounds_b, state.committed_br, state.stop_b, state.num_forwards))
   return Generation(
