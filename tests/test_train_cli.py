@@ -67,11 +67,13 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
   killed = tmp_path / "killed"
   process = subprocess.Popen([sys.executable, *train_args(killed, *fast)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CLI_ENV)
-  deadline = time.time() + 600
-  while not os.path.isdir(killed / "checkpoints" / "10") and time.time() < deadline:
-    time.sleep(0.05)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
+  try:
+    deadline = time.time() + 600
+    while not os.path.isdir(killed / "checkpoints" / "10") and time.time() < deadline:
+      time.sleep(0.05)
+  finally:  # killed whatever happened above, so no run outlives the test
+    process.send_signal(signal.SIGKILL)
+    process.wait()
   assert os.path.isdir(killed / "checkpoints" / "10")
   assert not os.path.isdir(killed / "hf_head"), "the run was meant to die before finishing"
   resumed = run_cli(*train_args(killed, *fast))
