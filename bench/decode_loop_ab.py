@@ -3,11 +3,14 @@ the one before the one-decode-loop redesign), alternated so machine noise hits b
 
   python bench/decode_loop_ab.py                     # HEAD's tree against 08e99b4
   python bench/decode_loop_ab.py --base COMMIT --repeats 5
+  python bench/decode_loop_ab.py --serve             # the engine behind the server instead
 
 Each side runs in its own process from its own tree (a `git worktree` of the base) on the
 embedded pair, greedy: AR at batch 1 and 8, JetFlow at budgets 16 / 64 / 256 (batch 1), 128 new
 tokens from 4 HumanEval prompts; a cell's time is the median over `--repeats` alternations.
-Prints a table and writes bench/results/decode_loop_ab.json.
+With `--serve`, each side's own `bench/serve_load.py` runs instead (its server, AR and JetFlow
+at budget 64, 8 slots, `--requests` greedy streamed completions at 8 clients and at 1).
+Prints a table and writes bench/results/decode_loop_ab.json (with --serve: serve_load_ab.json).
 """
 
 from __future__ import annotations
@@ -53,13 +56,41 @@ print(json.dumps(out))
 """
 
 
+def decode_cells(tree: str) -> dict:
+  """One pass over CELLS by the decode loop of `tree`."""
+  done = subprocess.run([sys.executable, "-c", WORKER, tree, json.dumps(CELLS)],
+                        capture_output=True, text=True, cwd=tree)
+  if done.returncode:
+    sys.exit(f"{tree} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def serve_cells(tree: str, requests: int) -> dict:
+  """`tree`'s own bench/serve_load.py for AR and JetFlow at budget 64: tokens/s by clients."""
+  cells = {}
+  for method in ("ar", "jetflow"):
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+      done = subprocess.run([sys.executable, "bench/serve_load.py", "--method", method,
+                             "--budget", "64", "--requests", str(requests), "--out", out.name],
+                            capture_output=True, text=True, cwd=tree)
+      if done.returncode:
+        sys.exit(f"{tree} serve_load failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+      for run in json.load(open(out.name))["runs"]:
+        cells[f"serve/{method}/{run['concurrency']} clients"] = {
+            "tokens_per_s": run["tokens_per_s"], "last_tokens": None}
+  return cells
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--base", default="08e99b4")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
-                                                    "decode_loop_ab.json"))
+  parser.add_argument("--serve", action="store_true", help="time the server's engine instead")
+  parser.add_argument("--requests", type=int, default=16, help="with --serve")
+  parser.add_argument("--out")
   args = parser.parse_args()
+  args.out = args.out or os.path.join(ROOT, "bench", "results", "serve_load_ab.json"
+                                      if args.serve else "decode_loop_ab.json")
   with tempfile.TemporaryDirectory() as tmp:
     base_tree = os.path.join(tmp, "base")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base_tree, args.base],
@@ -69,11 +100,8 @@ def main() -> None:
       runs = {name: [] for name in sides}
       for repeat in range(args.repeats):
         for name, tree in sides.items():
-          done = subprocess.run([sys.executable, "-c", WORKER, tree, json.dumps(CELLS)],
-                                capture_output=True, text=True, cwd=tree)
-          if done.returncode:
-            sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-          runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+          runs[name].append(serve_cells(tree, args.requests) if args.serve else
+                            decode_cells(tree))
           print(f"repeat {repeat + 1}/{args.repeats}: {name} done", file=sys.stderr, flush=True)
     finally:
       subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree],
@@ -84,7 +112,8 @@ def main() -> None:
   for key in runs["base"][0]:
     base = statistics.median(r[key]["tokens_per_s"] for r in runs["base"])
     this = statistics.median(r[key]["tokens_per_s"] for r in runs["this"])
-    same = runs["base"][0][key]["last_tokens"] == runs["this"][0][key]["last_tokens"]
+    same = (runs["base"][0][key]["last_tokens"] == runs["this"][0][key]["last_tokens"]
+            if not args.serve else "n/a (serve_load compares its own runs)")
     rows.append(dict(cell=key, base_tokens_per_s=base, this_tokens_per_s=this,
                      ratio=this / base, same_tokens=same))
     print(f"| {key} | {base:.0f} | {this:.0f} | {this / base:.3f} | {same} |")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -39,39 +39,76 @@ def budget_flag(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"must be auto or a number of nodes (got {text!r})") from None
 
 
-def add_model_flags(parser: argparse.ArgumentParser, *, method: bool = True, auto: bool = True,
-                    mesh_help: str | None = "devices to decode over, e.g. tp=4,ep=2 (axes data, "
-                    "tp, ep; default: one device)") -> None:
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """One model flag, for argparse (`--top-k`) and absl (`--top_k`) alike."""
+
+  name: str  # with underscores
+  default: Any
+  help: str
+  type: Callable = str
+  choices: tuple | None = None
+
+
+def model_flags(*, method: bool = True, auto: bool = True,
+                mesh_help: str | None = "devices to decode over, e.g. tp=4,ep=2 (axes data, tp, "
+                "ep; default: one device)") -> list[Flag]:
   """The flags that choose and place the pair: checkpoint, head, dtype, kernel, mesh (unless
   `mesh_help` is None) and, with `method`, the method and its tree (`auto` budgets, with
   `auto`: the default then)."""
-  parser.add_argument("--checkpoint", help="target: directory or hub id (default: the embedded "
-                      "model, with the head its method is made for)")
-  parser.add_argument("--head", help="draft head: reference-layout directory or hub id, or a "
-                      "training workdir")
+  flags = [Flag("checkpoint", None, "target: directory or hub id (default: the embedded model, "
+                "with the head its method is made for)"),
+           Flag("head", None, "draft head: reference-layout directory or hub id, or a training "
+                "workdir")]
   if method:
-    parser.add_argument("--method", choices=METHODS,
-                        help="default: jetflow with a head, ar without")
+    flags.append(Flag("method", None, "default: jetflow with a head, ar without",
+                      choices=METHODS))
     if auto:
-      parser.add_argument("--budget", type=budget_flag, default="auto",
-                          help="tree nodes, root included, or auto (default): each round's "
-                          "budget chosen on the ladder AR, 4, 8, ..., --max-budget from what "
-                          "rounds cost here and what the draft predicts (ddtree and jetflow)")
-      parser.add_argument("--max-budget", type=int, default=None,
-                          help="the largest budget auto may choose (default: 64 on CPU, where "
-                          "trees cost their rows, 256 on a GPU or TPU)")
+      flags += [Flag("budget", "auto", "tree nodes, root included, or auto (default): each "
+                     "round's budget chosen on the ladder AR, 4, 8, ..., the largest from what "
+                     "rounds cost here and what the draft predicts (ddtree and jetflow)",
+                     budget_flag),
+                Flag("max_budget", None, "the largest budget auto may choose (default: 64 on "
+                     "CPU, where trees cost their rows, 256 on a GPU or TPU)", int)]
     else:
-      parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                          help="tree nodes, root included")
-    parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
-                        help="tree candidates per depth")
-  parser.add_argument("--dtype", default="auto",
-                      help="auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or bfloat16")
-  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"),
-                      help="pallas: the backend's kernel (Triton on GPU, Mosaic on TPU, "
-                      "interpreted on CPU)")
+      flags.append(Flag("budget", DEFAULT_BUDGET, "tree nodes, root included", int))
+    flags.append(Flag("top_k", DEFAULT_TOP_K, "tree candidates per depth", int))
+  flags += [Flag("dtype", "auto", "auto (bfloat16 on GPU/TPU, float32 on CPU), float32 or "
+                 "bfloat16"),
+            Flag("attention", "xla", "pallas: the backend's kernel (Triton on GPU, Mosaic on "
+                 "TPU, interpreted on CPU)", choices=("xla", "pallas"))]
   if mesh_help is not None:
-    parser.add_argument("--mesh", default="", help=mesh_help)
+    flags.append(Flag("mesh", "", mesh_help))
+  return flags
+
+
+def add_model_flags(parser: argparse.ArgumentParser, **options) -> None:
+  """`model_flags(**options)` on an argparse parser (dashes in the names)."""
+  for flag in model_flags(**options):
+    parser.add_argument("--" + flag.name.replace("_", "-"), type=flag.type, default=flag.default,
+                        choices=flag.choices, help=flag.help)
+
+
+def define_absl_model_flags(**options) -> None:
+  """`model_flags(**options)` as absl flags (underscores in the names; the budget a string,
+  `parse_budget` reads it)."""
+  from absl import flags
+  for flag in model_flags(**options):
+    if flag.choices:
+      flags.DEFINE_enum(flag.name, flag.default, flag.choices, flag.help)
+    elif flag.type is int:
+      flags.DEFINE_integer(flag.name, flag.default, flag.help)
+    else:
+      flags.DEFINE_string(flag.name, None if flag.default is None else str(flag.default),
+                          flag.help)
+
+
+def parse_budget(text: str) -> int | str:
+  """An absl `--budget` value: `auto` or a node count (InputError otherwise)."""
+  try:
+    return budget_flag(str(text))
+  except argparse.ArgumentTypeError as e:
+    raise InputError(f"--budget {e}") from None
 
 
 def max_budget(args: argparse.Namespace) -> int:

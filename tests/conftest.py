@@ -6,6 +6,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines with --budget auto measure their step costs each time, and keep no table.
+os.environ.setdefault("JETFLOW_COST_TABLES", "")
 
 import copy
 import glob

@@ -1,13 +1,20 @@
-"""`budget="auto"`: each round's tree budget chosen on a ladder, and decoding still lossless with
-the budget changing between the rounds of one request: greedy equals AR token for token,
-sampling follows the target's exact distribution."""
+"""`budget="auto"`: each round's (or engine step's) tree budget chosen on a ladder, and decoding
+still lossless with the budget changing between the rounds of one request: greedy equals AR
+token for token, sampling follows the target's exact distribution."""
+
+import json
+import re
 
 import jax
 import numpy as np
+import pytest
 
 import jetflow_jax
+from jetflow_jax import calibrate
 from jetflow_jax.decoding import TreeShape, decode_prompts
 from jetflow_jax.drafters import HeadDrafter
+from jetflow_jax.engine import Orchestrator, Request, budgets, make_engine
+from jetflow_jax.engine.budgets import step_seconds
 from jetflow_jax.head import init_head_params
 from jetflow_jax.sampling import Sampling
 from test_speculative import (PROMPTS, SAMPLES, ar_greedy, assert_matches, exact_first_three,
@@ -42,3 +49,60 @@ def test_sampling_follows_the_target_when_budgets_change(small_target):
                           sampler=sampler, stop_tokens=(), auto=(4, 1))
   assert result.budgets[:2] == [4, 1]
   assert_matches(np.array(result.tokens), exact_first_three(model, np.array(prompt), sampler))
+
+
+@pytest.fixture(scope="module")
+def auto_engine(target, trained_head):
+  """A JetFlow engine on the ladder AR, 4, 8 (2 slots, one round a step)."""
+  config, params = target
+  head, head_params = trained_head
+  return make_engine(params, config, head_params, head, method="jetflow", budget="auto",
+                     max_budget=8, top_k=3, num_slots=2, max_context=64, rounds_per_step=1,
+                     warn=lambda _: None)
+
+
+def test_engine_steps_change_budget_and_stay_lossless(target, auto_engine):
+  config, params = target
+  assert auto_engine.ladder == (1, 4, 8)
+  requests = [Request(p, 20, stop_tokens=()) for p in PROMPTS]
+  expected = ar_greedy(config, params, PROMPTS, 20)
+  schedule = (8, 1, 1, 4)
+  orchestrator = Orchestrator(auto_engine, schedule=schedule)
+  assert [s.tokens for s in orchestrator.generate(requests)] == expected
+  assert set(orchestrator.chooser.chosen) == set(schedule)
+  # Sampled, with budgets changing between rounds: test_engine's distribution test.
+
+
+def test_engine_chooses_by_the_step_costs(target, auto_engine):
+  config, params = target
+  requests = [Request(p, 24, stop_tokens=()) for p in PROMPTS]
+  expected = ar_greedy(config, params, PROMPTS, 24)
+  flat = Orchestrator(auto_engine, seconds_l=[1.0, 1.0, 1.0])
+  assert [s.tokens for s in flat.generate(requests)] == expected
+  assert flat.chooser.chosen.most_common(1)[0][0] == 8  # trees cost nothing more: the largest
+  steep = Orchestrator(auto_engine, seconds_l=[1.0, 40.0, 80.0])
+  assert [s.tokens for s in steep.generate(requests)] == expected
+  # Trees 40x an AR step never pay: AR, but for the first step (the prior) and rare probes.
+  assert steep.chooser.chosen[1] >= 0.8 * sum(steep.chooser.chosen.values())
+
+
+def test_step_costs_are_measured_once_and_reused(auto_engine, tmp_path, monkeypatch):
+  path = str(tmp_path / "costs.json")
+  seconds = step_seconds(auto_engine, path)
+  assert seconds.shape == (3,) and np.all(seconds > 0)
+  monkeypatch.setattr(budgets, "measure_step_seconds", lambda _: pytest.fail("measured again"))
+  np.testing.assert_allclose(step_seconds(auto_engine, path), seconds)
+
+
+def test_calibrate_cli_keeps_the_table_a_server_reads(tmp_path, monkeypatch, capsys):
+  path = tmp_path / "tables.json"
+  monkeypatch.setenv("JETFLOW_COST_TABLES", str(path))
+  flags = ["--slots", "1", "--max-context", "64", "--rounds-per-step", "1", "--max-budget", "4"]
+  calibrate.main(flags)
+  out = capsys.readouterr().out
+  assert re.search(r"\| AR \| [\d.]+ \| [\d.]+ \|\n\| 4 \| [\d.]+ \|", out)
+  (table,) = json.loads(path.read_text())["tables"]
+  assert table["key"]["slots"] == 1 and table["key"]["engine"]["ladder"] == [1, 4]
+  with pytest.raises(SystemExit) as exit_:
+    calibrate.main(flags + ["--budget", "16"])
+  assert exit_.value.code == 2 and "leave --budget out" in capsys.readouterr().err

@@ -153,9 +153,11 @@ def test_engine_samples_the_target_distribution(small_target):
   slots of each sampler, the next two tokens follow the target's processed distribution."""
   config, params, model = small_target
   head = head_config(config, block_size=4)
+  # One round a step, the first a tree of 8, the second AR: a slot whose tree gave one token
+  # draws its last by AR (the budget changes between the rounds of one request).
   engine = make_engine(params, config, init_head_params(head, jax.random.key(5)), head,
-                       budget=8, top_k=3, num_slots=2 * PER_SAMPLER + GREEDY_SLOTS,
-                       max_context=8, rounds_per_step=2)
+                       budget="auto", max_budget=8, top_k=3,
+                       num_slots=2 * PER_SAMPLER + GREEDY_SLOTS, max_context=8, rounds_per_step=1)
   prompt = [3, 1, 4, 1]
   prefix = engine.prefill(Request(prompt, 3, temperature=1.0, seed=0, stop_tokens=()))
   first = int(prefix.tokens_bs[0, len(prompt)])  # the prefix's row: prompt, first token
@@ -164,10 +166,12 @@ def test_engine_samples_the_target_distribution(small_target):
   for slot, sampler in enumerate(samplers):
     state = engine.insert(state, prefix.replace(keys_b=jax.random.key(slot)[None],
                                                 sampling=RowSampling.of([sampler])), slot)
-  state, _ = engine.step(state)
-  state, _ = engine.step(state)
+  state, _ = engine.step(state, 8)
+  running = ~np.asarray(state.rows.done_b)
+  state, _ = engine.step(state, 1)
   tokens = np.asarray(state.rows.tokens_bs)[:, len(prompt):len(prompt) + 3]
   assert (tokens[:, 0] == first).all() and np.asarray(state.rows.done_b).all()
+  assert 0.05 < running.mean() < 0.95  # both ways of ending occur
 
   greedy = speculative_generate(params, config, None, None, [prompt + [first]], 2, method="ar",
                                 stop_tokens=()).tokens[0]

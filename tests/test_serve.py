@@ -552,6 +552,38 @@ def test_metrics_count_requests_tokens_and_tau(server, tokenizer):
   assert grew("jetflow_step_seconds_count") > 0 and after[("jetflow_tau", ())] > 1.2
 
 
+def test_auto_budgets_compile_nothing_once_warm_and_show_in_the_metrics(engine_for, solo,
+                                                                       tokenizer):
+  """An engine choosing each step's budget (AR, 4, 8): warm-up compiles every budget's step, the
+  answers are AR's, and /metrics holds the budgets chosen."""
+  config, params = load_qwen3(embedded.default_target(), jnp.float32)
+  head, head_params = load_head(embedded.default_head("jetflow"), jnp.float32)
+  engine = make_engine(params, config, head_params, head, method="jetflow",
+                       **dict(ENGINE, budget="auto", max_budget=8))
+  url, uvicorn_server, thread = serve_in_thread(create_app(engine, tokenizer, MODEL,
+                                                           warm_up=True))
+  try:
+    deadline = time.monotonic() + 600
+    while get(f"{url}/health")[0] != 200:
+      assert time.monotonic() < deadline, "not warm within 600 s"
+      time.sleep(0.2)
+    before = metrics(url)[("jetflow_compiles_total", ())]
+    texts = client(url).completions.create(model=MODEL, prompt=PROMPTS[:SLOTS],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    for body in KINDS[1:6]:
+      assert post(f"{url}/v1/completions", json.dumps({"max_tokens": 4, **body}).encode())[0] == 200
+    after = settle(url)
+    assert after[("jetflow_compiles_total", ())] == before
+    assert [c.token_ids for c in sorted(texts.choices, key=lambda c: c.index)] == [
+        solo[p] for p in PROMPTS[:SLOTS]]
+    chosen = {dict(labels)["le"]: count for (name, labels), count in after.items()
+              if name == "jetflow_step_budget_bucket"}
+    assert after[("jetflow_step_budget_count", ())] > 0 and chosen["+Inf"] == chosen["8.0"]
+  finally:
+    uvicorn_server.should_exit = True
+    thread.join(30)
+
+
 def test_a_client_that_goes_away_frees_its_slot(server):
   before = metrics(server.url)[("jetflow_completion_tokens_total", ())]
   stream = client(server.url).completions.create(model=MODEL, prompt="x",

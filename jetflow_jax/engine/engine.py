@@ -4,7 +4,9 @@ In JetStream's shape: `prefill` runs one request's prompt (padded to a power-of-
 few shapes compile) and samples its first token; `insert` copies that prefix into a free slot;
 `step` runs `rounds_per_step` rounds (`decoding.round`, the one every method and driver runs)
 over every slot (done and free slots commit nothing) and hands back only the new tokens;
-`evict` frees a slot. The host loop that calls them is `engine.loop`.
+`evict` frees a slot. The host loop that calls them is `engine.loop`. An engine made with a
+budget `ladder` compiles a step per budget of it, and its host loop picks one every step
+(`engine.budgets`).
 
 With a `DecodeMesh`, the slots split over its `data` axis (each device group runs its share of
 the slots against its own copy of the target, split over `tp` / `ep` as `mesh.param_shardings`
@@ -27,6 +29,7 @@ import numpy as np
 
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding import prefill as prefill_lib
+from jetflow_jax.decoding.budget import budget_ladder
 from jetflow_jax.decoding.policy import (DEFAULT_BUDGET, DEFAULT_TOP_K, drafter_for,
                                          tree_shape_for)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round
@@ -72,18 +75,18 @@ def placed(state: EngineState, config: Qwen3Config, mesh: DecodeMesh | None) -> 
       state, shardings.replace(rows=shardings.rows.replace(cache=cache)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "capacity", "top",
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "capacity", "top", "ladder",
                                              "prompt_logprobs", "mesh"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b, seed_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
-            capacity: int, top: int, prompt_logprobs: bool = False,
+            capacity: int, top: int, ladder: int = 0, prompt_logprobs: bool = False,
             mesh: DecodeMesh | None = None) -> DecodeState:
   """One request (a row of its own) through the target and drafter, and its first token: its
   buffers hold the prompt bucket and that token, its capacity is a slot's."""
   return prefill_lib.prefill(
       target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b,
       jax.vmap(jax.random.key)(seed_b), sampling, stop_tokens_bk, config=config,
-      drafter=drafter, slots=prompt_bt.shape[1] + 1, capacity=capacity, top=top,
+      drafter=drafter, slots=prompt_bt.shape[1] + 1, capacity=capacity, top=top, ladder=ladder,
       prompt_logprobs=prompt_logprobs, mesh=mesh)
 
 
@@ -122,9 +125,22 @@ def step(target_params, drafter_params, state: EngineState, *, spec: RoundSpec,
   The trip count is static and nothing branches on device values (`spec.sampled` /
   `spec.filtered` are host-side promises): on a GPU, a loop or conditional that reads a device
   value makes the host wait for it, and the step would no longer overlap the host loop.
+  With `spec.ladder`, each round's prediction and commit count come back too.
   """
-  rows = jax.lax.fori_loop(
-      0, rounds, lambda _, r: decode_round(target_params, drafter_params, r, spec), state.rows)
+  slots = state.reported_b.shape[0]
+
+  def one_round(r, carry):
+    rows, predicted_brl, committed_br = carry
+    after = decode_round(target_params, drafter_params, rows, spec)
+    if spec.ladder:
+      predicted_brl = predicted_brl.at[:, r].set(after.predicted_bl)
+      committed_br = committed_br.at[:, r].set(
+          jnp.where(rows.done_b, -1, after.lengths_b - rows.lengths_b))
+    return after, predicted_brl, committed_br
+
+  rows, predicted_brl, committed_br = jax.lax.fori_loop(
+      0, rounds, one_round, (state.rows, jnp.zeros((slots, rounds, len(spec.ladder))),
+                             jnp.zeros((slots, rounds), jnp.int32)))
   # Between reports a slot gains at most its first token and `rounds` rounds of depth + 1.
   width = rounds * (spec.drafter.depth + 1) + 1
   index_bw = jnp.minimum(state.reported_b[:, None] + jnp.arange(width, dtype=jnp.int32),
@@ -137,14 +153,16 @@ def step(target_params, drafter_params, state: EngineState, *, spec: RoundSpec,
     output = output.replace(logprobs_bw=window(rows.logprobs_bs),
                             top_ids_bwx=window(rows.top_ids_bsx),
                             top_logprobs_bwx=window(rows.top_logprobs_bsx))
+  if spec.ladder:
+    output = output.replace(predicted_brl=predicted_brl, committed_br=committed_br)
   return placed(EngineState(rows=rows, reported_b=rows.lengths_b), spec.config,
                 spec.mesh), output
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "num_slots", "capacity",
-                                             "max_stop_tokens", "top", "mesh"))
+                                             "max_stop_tokens", "top", "ladder", "mesh"))
 def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: Drafter,
-               num_slots: int, capacity: int, max_stop_tokens: int, top: int,
+               num_slots: int, capacity: int, max_stop_tokens: int, top: int, ladder: int = 0,
                mesh: DecodeMesh | None = None) -> EngineState:
   """Every slot free: cancelled rows of length 1, zero caches."""
   size = capacity + drafter.depth + 1  # a round writes depth + 1 rows past what is committed
@@ -167,7 +185,7 @@ def init_state(target_params, drafter_params, *, config: Qwen3Config, drafter: D
       logprobs_bs=jnp.zeros((num_slots, size), jnp.float32),
       top_ids_bsx=jnp.zeros((num_slots, size, top), jnp.int32),
       top_logprobs_bsx=jnp.zeros((num_slots, size, top), jnp.float32),
-      predicted_bl=jnp.ones((num_slots, 0), jnp.float32),
+      predicted_bl=jnp.ones((num_slots, ladder), jnp.float32),
       pending_taps_bpld=jnp.zeros((num_slots, 0, len(drafter.tap_layers), config.hidden_size),
                                   params_dtype(target_params)),
       pending_from_b=zeros_b)
@@ -178,7 +196,9 @@ class Engine:
   """A target (and drafter) behind `num_slots` slots of `max_context` tokens each.
 
   Shapes are fixed here: slots, context, tree, rounds per step. `prefill` compiles once per
-  prompt bucket (powers of two from 16), `insert` likewise, `step` and `evict` once. With
+  prompt bucket (powers of two from 16), `insert` likewise, `step` and `evict` once. With a
+  `ladder` of budgets (`budget.budget_ladder`, the largest `tree_shape.budget`), `step` runs any
+  of them, each compiled apart; its rounds then predict every budget's tokens. With
   `mesh`, `target_params` sit where `mesh.param_shardings` says and the slots (a multiple of
   its `data` size) split over `data`; a prefill runs on every copy of the target.
   """
@@ -187,7 +207,11 @@ class Engine:
                drafter_params=None, *, tree_shape: TreeShape = TreeShape("root"),
                num_slots: int = 8, max_context: int = 1024, rounds_per_step: int = 4,
                max_stop_tokens: int = 8, top_logprobs: int = 20, impl: str = "xla",
-               mesh: DecodeMesh | None = None):
+               ladder: tuple[int, ...] = (), mesh: DecodeMesh | None = None):
+    if ladder and (tree_shape.kind not in ("top_n", "accum") or ladder[0] != 1
+                   or ladder[-1] != tree_shape.budget):
+      raise InputError(f"a budget ladder {ladder} needs a tree (ddtree or jetflow) of its "
+                       f"largest budget, from AR (1) up")
     if num_slots < 1 or rounds_per_step < 1 or max_context < 2:
       raise InputError(f"an engine needs num_slots >= 1, rounds_per_step >= 1 and max_context "
                        f">= 2 (got {num_slots}, {rounds_per_step}, {max_context})")
@@ -202,13 +226,28 @@ class Engine:
     self.tree_shape, self.num_slots, self.max_context = tree_shape, num_slots, max_context
     self.rounds_per_step, self.max_stop_tokens, self.impl = rounds_per_step, max_stop_tokens, impl
     self.top_logprobs, self.mesh = min(top_logprobs, config.vocab_size), mesh
+    self.ladder = tuple(ladder)
+
+  def spec(self, budget: int | None = None, *, sampled: bool = True, filtered: bool = True,
+           logprobs: bool = False) -> RoundSpec:
+    """The round a step runs at `budget` (a ladder value; None: `tree_shape`'s)."""
+    shape = self.tree_shape
+    if budget is not None and budget != shape.budget:
+      if budget not in self.ladder:
+        raise InputError(f"budget {budget} is not on this engine's ladder {self.ladder}")
+      shape = TreeShape("root") if budget == 1 else dataclasses.replace(shape, budget=budget)
+    if self.ladder:  # two variants a budget: greedy without log-probabilities, and any request
+      sampled = filtered = logprobs = sampled or filtered or logprobs
+    return RoundSpec(config=self.config, drafter=self.drafter, tree_shape=shape, impl=self.impl,
+                     sampled=sampled, filtered=filtered, logprobs=logprobs, ladder=self.ladder,
+                     mesh=self.mesh)
 
   def init_state(self) -> EngineState:
     """Every slot free."""
     return init_state(self.target_params, self.drafter_params, config=self.config,
                       drafter=self.drafter, num_slots=self.num_slots, capacity=self.max_context,
                       max_stop_tokens=self.max_stop_tokens, top=self.top_logprobs,
-                      mesh=self.mesh)
+                      ladder=len(self.ladder), mesh=self.mesh)
 
   def check(self, request: Request) -> tuple[int, ...]:
     """Raises InputError naming what does not fit; returns the request's stop ids."""
@@ -245,21 +284,20 @@ class Engine:
                    np.array([request.seed], np.uint32), RowSampling.of([request.sampler]),
                    stop_rows([stop], self.max_stop_tokens), config=self.config,
                    drafter=self.drafter, capacity=self.max_context, top=self.top_logprobs,
-                   prompt_logprobs=request.prompt_logprobs, mesh=self.mesh)
+                   ladder=len(self.ladder), prompt_logprobs=request.prompt_logprobs,
+                   mesh=self.mesh)
 
   def insert(self, state: EngineState, prefix: DecodeState, slot: int) -> EngineState:
     """`prefix` into free slot `slot` (the state is donated)."""
     return insert(state, prefix, np.int32(slot), config=self.config, mesh=self.mesh)
 
-  def step(self, state: EngineState, *, sampled: bool = True, filtered: bool = True,
-           logprobs: bool = False) -> tuple[EngineState, StepOutput]:
-    """`rounds_per_step` rounds over every slot (the state is donated). `sampled=False` or
-    `filtered=False` promise that no running request samples or filters
+  def step(self, state: EngineState, budget: int | None = None, *, sampled: bool = True,
+           filtered: bool = True, logprobs: bool = False) -> tuple[EngineState, StepOutput]:
+    """`rounds_per_step` rounds at `budget` over every slot (the state is donated).
+    `sampled=False` or `filtered=False` promise that no running request samples or filters
     (`sampling.sampling_flags`), `logprobs=False` that none wants log-probabilities: cheaper
     variants, compiled apart."""
-    spec = RoundSpec(config=self.config, drafter=self.drafter, tree_shape=self.tree_shape,
-                     impl=self.impl, sampled=sampled, filtered=filtered, logprobs=logprobs,
-                     mesh=self.mesh)
+    spec = self.spec(budget, sampled=sampled, filtered=filtered, logprobs=logprobs)
     return step(self.target_params, self.drafter_params, state, spec=spec,
                 rounds=self.rounds_per_step)
 
@@ -270,11 +308,16 @@ class Engine:
 
 def make_engine(target_params, target_config: Qwen3Config, head_params=None,
                 head_config: HeadConfig | None = None, *, method: str = "jetflow",
-                budget: int = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K, attention: str = "xla",
+                budget: int | str = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K,
+                max_budget: int = 256, attention: str = "xla",
                 warn: Callable[[str], None] = print, **options) -> Engine:
   """An engine running `method` (ar, dflash, ddtree, jetflow) as `speculative_generate` does;
-  `options` (num_slots, max_context, rounds_per_step, max_stop_tokens, top_logprobs, mesh) go
-  to `Engine`."""
+  `budget="auto"` gives ddtree and jetflow the ladder up to `max_budget`, one budget chosen
+  every step by its host loop. `options` (num_slots, max_context, rounds_per_step,
+  max_stop_tokens, top_logprobs, mesh) go to `Engine`."""
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
+  fixed = max_budget if budget == "auto" else budget
+  ladder = budget_ladder(fixed) if budget == "auto" and method in ("ddtree", "jetflow") else ()
   return Engine(target_params, target_config, drafter, None if method == "ar" else head_params,
-                tree_shape=tree_shape_for(method, budget, top_k), impl=attention, **options)
+                tree_shape=tree_shape_for(method, fixed, top_k), impl=attention, ladder=ladder,
+                **options)

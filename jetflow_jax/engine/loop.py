@@ -3,18 +3,22 @@
 Each `Orchestrator.step()` frees the slots of cancelled requests, admits waiting requests into
 free slots (`prefill` + `insert`), dispatches one engine step, and only then reads back the
 previous step's new tokens (a few hundred ints): the device runs the step just dispatched while
-the host streams, so the host's Python overlaps the rounds instead of adding to them.
+the host streams, so the host's Python overlaps the rounds instead of adding to them. With a
+budget ladder, each step's budget is chosen just before it is dispatched (`engine.budgets`),
+from what the steps read back so far.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import jax
+import numpy as np
 
 from jetflow_jax.decoding.state import StopReason
+from jetflow_jax.engine.budgets import BudgetChooser, step_seconds
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.sampling import sampling_flags
@@ -50,15 +54,33 @@ class Stream:
 
 
 class Orchestrator:
-  """Runs requests through an `Engine`: submit any time, call `step()` (or `run()`)."""
+  """Runs requests through an `Engine`: submit any time, call `step()` (or `run()`).
 
-  def __init__(self, engine: Engine):
+  An engine with a budget ladder needs each budget's step time: `seconds_l` (one per ladder
+  budget), else `budgets.step_seconds` reads them from the cost table or measures them now
+  (compiling every step variant; `log` hears how long it took). `schedule` (ladder budgets,
+  one step each, in turn) replaces the choice.
+  """
+
+  def __init__(self, engine: Engine, *, seconds_l: Sequence[float] | None = None,
+               schedule: Sequence[int] | None = None, log: Callable[[str], None] | None = None):
     self.engine = engine
     self.state = engine.init_state()
     self.waiting: collections.deque[Stream] = collections.deque()
     self.slots: list[Stream | None] = [None] * engine.num_slots
-    self._pending: tuple[StepOutput, list[Stream | None]] | None = None
+    self._pending: tuple[StepOutput, list[Stream | None], int] | None = None
     self.num_steps = 0
+    self.chooser = None
+    if engine.ladder:
+      if seconds_l is None:
+        seconds_l = (np.ones(len(engine.ladder)) if schedule is not None
+                     else step_seconds(engine, log=log))
+      self.chooser = BudgetChooser(engine.ladder, engine.num_slots, seconds_l,
+                                   engine.rounds_per_step, schedule)
+    # Nodes a round of the last dispatched step verified per slot.
+    shape = engine.tree_shape
+    self.last_budget = {"root": 1, "chain": engine.drafter.depth + 1}.get(shape.kind,
+                                                                         shape.budget)
 
   def submit(self, request: Request,
              on_tokens: Callable[[list[int]], None] | None = None) -> Stream:
@@ -87,13 +109,18 @@ class Orchestrator:
           self._prompt_logprobs(stream, prefix)
         self.state = self.engine.insert(self.state, prefix, slot)
         self.slots[slot] = stream
+        if self.chooser is not None:
+          self.chooser.reset(slot)
     pending, self._pending = self._pending, None
     if any(self.slots):
       running = [s.request for s in self.slots if s is not None]
+      budget = None
+      if self.chooser is not None:
+        budget = self.last_budget = self.chooser.choose([s is not None for s in self.slots])
       self.state, output = self.engine.step(
-          self.state, **sampling_flags([r.sampler for r in running]),
+          self.state, budget, **sampling_flags([r.sampler for r in running]),
           logprobs=any(r.logprobs is not None for r in running))
-      self._pending = (output, list(self.slots))
+      self._pending = (output, list(self.slots), budget)
       self.num_steps += 1
     if pending is not None:
       self._deliver(*pending)
@@ -110,9 +137,12 @@ class Orchestrator:
     self.run()
     return streams
 
-  def _deliver(self, output: StepOutput, owners: list[Stream | None]) -> None:
+  def _deliver(self, output: StepOutput, owners: list[Stream | None], budget: int | None) -> None:
     """A step's new tokens to the streams that held the slots when it was dispatched."""
     output = jax.device_get(output)
+    if self.chooser is not None:
+      self.chooser.record(budget, output, [o is not None and o is s
+                                           for o, s in zip(owners, self.slots)])
     new_bw, num_new_b, stop_b, rounds_b = (output.new_bw, output.num_new_b, output.stop_b,
                                            output.rounds_b)
     for slot, stream in enumerate(owners):

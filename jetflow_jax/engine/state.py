@@ -34,3 +34,8 @@ class StepOutput:
   logprobs_bw: jax.Array | None = None
   top_ids_bwx: jax.Array | None = None
   top_logprobs_bwx: jax.Array | None = None
+  # With a budget ladder (`Engine.ladder`): each round's `DecodeState.predicted_bl` `[B, R, L]`
+  # (a root-only round's is the last draft's) and each slot's committed tokens `[B, R]` (-1 where
+  # the slot was done). None without.
+  predicted_brl: jax.Array | None = None
+  committed_br: jax.Array | None = None

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from jetflow_jax import cli
-from jetflow_jax.engine import make_engine
+from jetflow_jax.engine.flags import add_engine_flags, check_engine_flags, engine_from_flags
 from jetflow_jax.errors import InputError
 from jetflow_jax.pair import add_model_flags, pair_from_flags
 from jetflow_jax.serve.app import Server, create_app
@@ -31,28 +31,17 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
   parser = Parser(prog="python -m jetflow_jax.serve",
                   description=__doc__.strip().splitlines()[0])
-  # The engine runs a fixed budget: choosing it every step is not there yet.
-  add_model_flags(parser, auto=False, mesh_help="devices to serve over, e.g. data=2,tp=4 (slots split over "
+  add_model_flags(parser, mesh_help="devices to serve over, e.g. data=2,tp=4 (slots split over "
                   "data, the target over tp and ep); default: one")
-  parser.add_argument("--slots", type=int, default=8, help="requests decoded together")
-  parser.add_argument("--max-context", type=int,
-                      help="tokens per slot, prompt included (default: the model's context "
-                      "window, at most 2048)")
-  parser.add_argument("--rounds-per-step", type=int, default=4,
-                      help="speculative rounds between two hand-overs of tokens to the host")
+  add_engine_flags(parser)
   parser.add_argument("--host", default="127.0.0.1")
   parser.add_argument("--port", type=int, default=8000)
   return parser.parse_args(argv)
 
 
 def check_flags(args: argparse.Namespace) -> None:
-  """Refuses flag values no engine can take, before anything loads (the tree's are checked
-  against the model's vocabulary once it has)."""
-  for flag, value, least in (("--slots", args.slots, 1),
-                             ("--rounds-per-step", args.rounds_per_step, 1),
-                             ("--max-context", args.max_context, 2)):
-    if value is not None and value < least:
-      raise InputError(f"{flag} must be >= {least} (got {value})")
+  """Refuses flag values no server can take, before anything loads."""
+  check_engine_flags(args)
   if not 0 <= args.port <= 65535:
     raise InputError(f"--port must lie in [0, 65535] (got {args.port})")
 
@@ -66,19 +55,11 @@ def main(argv=None) -> None:
     # first, then raises it again under this handler.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     pair = pair_from_flags(args)
-    config = pair.config
     tokenizer = load_tokenizer(pair.checkpoint)
-    max_context = args.max_context or min(config.max_position_embeddings, 2048)
-    if max_context > config.max_position_embeddings:
-      raise InputError(f"--max-context {max_context} exceeds the model's context window of "
-                       f"{config.max_position_embeddings} positions (max_position_embeddings)")
-    engine = make_engine(
-        pair.params, config, pair.head_params, pair.head_config, method=pair.method,
-        budget=args.budget, top_k=args.top_k, attention=pair.attention, num_slots=args.slots,
-        max_context=max_context, rounds_per_step=args.rounds_per_step, mesh=pair.mesh,
-        warn=lambda line: print(line, file=sys.stderr))
-    print(f"serving {pair.name} ({pair.method}, {args.slots} slots of {max_context} tokens) on "
-          f"http://{args.host}:{args.port} once compiled", file=sys.stderr, flush=True)
+    engine = engine_from_flags(args, pair)
+    print(f"serving {pair.name} ({pair.method}, {args.slots} slots of {engine.max_context} "
+          f"tokens) on http://{args.host}:{args.port} once compiled", file=sys.stderr,
+          flush=True)
     Server(create_app(engine, tokenizer, pair.name), args.host, args.port).run()
 
   cli.run(serve)

@@ -8,6 +8,7 @@ import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from jetflow_jax.decoding.budget import LADDER
 from jetflow_jax.engine import Stream
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -64,6 +65,9 @@ class Metrics:
     self.step_seconds = Histogram(
         "jetflow_step_seconds", "one engine step (rounds_per_step rounds) as the host loop sees it",
         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)
+    self.step_budget = Histogram(
+        "jetflow_step_budget", "tree nodes a slot's rounds verified in one engine step (1: AR), "
+        "as chosen step by step with --budget auto", buckets=LADDER, registry=r)
     count_compiles()
     r.register(Compiles())
     self._round_tokens = self._rounds = 0

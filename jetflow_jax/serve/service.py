@@ -7,7 +7,8 @@ is a flag the thread reads at its next step, so any thread may cancel.
 
 Before it takes a request the thread warms up: it runs one small request through every program
 a request can reach (each prompt bucket's prefill, with and without the prompt's
-log-probabilities, and every step variant), so no client waits for a compile. Requests that
+log-probabilities, and every step variant; with a budget ladder, every budget's step, timed
+on the way unless the cost table has it), so no client waits for a compile. Requests that
 arrive meanwhile wait their turn; `warming` says how far it is.
 """
 
@@ -148,8 +149,12 @@ class Service:
   def _run(self) -> None:
     jobs: list[Job] = []
     try:
-      orchestrator = Orchestrator(self.engine)
-      if self.warming is not None:
+      warm_up = self.warming is not None
+      if self.engine.ladder:
+        self.warming = "measuring a step of each budget"
+      orchestrator = Orchestrator(self.engine, log=self.log)
+      self.warming = self.warming if warm_up else None
+      if warm_up:
         self._warm_up(orchestrator)
       while self._admit(orchestrator, jobs):
         steps = orchestrator.num_steps
@@ -157,6 +162,7 @@ class Service:
         orchestrator.step()
         if orchestrator.num_steps > steps:
           self.metrics.step_seconds.observe(time.perf_counter() - start)
+          self.metrics.step_budget.observe(orchestrator.last_budget)
         for job in [j for j in jobs if j.stream.finished]:
           jobs.remove(job)
           self.metrics.finished(job.stream)

@@ -39,8 +39,9 @@ import jax
 import tqdm
 
 from jetflow_jax import cli
-from jetflow_jax.decoding.policy import DEFAULT_BUDGET, METHODS
+from jetflow_jax.decoding.policy import DEFAULT_BUDGET, DEFAULT_TOP_K
 from jetflow_jax.errors import InputError
+from jetflow_jax.kernels.tree_attention import attention_for_backend
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
 from jetflow_jax.text import detokenizer
 from jetflow_jax.train.data import prompt_ids, record_id
@@ -136,7 +137,12 @@ def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
 
 def _define_flags() -> None:
   from absl import flags
-  flags.DEFINE_string("target", None, "target checkpoint directory")
+
+  from jetflow_jax.pair import define_absl_model_flags
+  define_absl_model_flags(mesh_help="jax backends: tp=T[,ep=E] splits each copy of the target "
+                          "over T x E of this process's devices (a target too big for one); "
+                          "copies fill the rest")
+  flags.DEFINE_alias("target", "checkpoint")
   flags.DEFINE_string("prompts", None, "JSONL of prompts / conversations")
   flags.DEFINE_string("out", None, "token store directory to regenerate into (resumable)")
   flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: --target)")
@@ -149,20 +155,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("slots", 16, "jax backend: requests decoded at once (per process)")
   flags.DEFINE_integer("batch_size", 16, "jax_static and torch backends: prompts per batch "
                        "(per process)")
-  flags.DEFINE_string("head", None, "jax backends: a draft head (directory, hub id or training "
-                      "workdir) to regenerate speculatively; greedy output is AR's")
-  flags.DEFINE_enum("method", None, METHODS,
-                    "jax backends: default jetflow with --head, ar without")
-  flags.DEFINE_integer("budget", DEFAULT_BUDGET,
-                       "jax backends: tree nodes a round, root included")
   flags.DEFINE_float("temperature", 0.0, "0 is greedy")
   flags.DEFINE_integer("seed", 0, "sampling seed")
-  flags.DEFINE_string("dtype", "auto", "jax backends: auto (bfloat16 on GPU/TPU, float32 on "
-                      "CPU), float32 or bfloat16; torch runs float32")
   flags.DEFINE_integer("threads", 0, "torch backend: CPU threads (0: torch's default)")
-  flags.DEFINE_string("mesh", "", "jax backends: tp=T[,ep=E] splits each copy of the target "
-                      "over T x E of this process's devices (a target too big for one); copies "
-                      "fill the rest")
   flags.DEFINE_list("server", [], "openai backend: server URLs (http://HOST:PORT[/v1]); "
                     "requests go to each in turn")
   flags.DEFINE_integer("concurrency", 16, "openai backend: requests in flight (per process)")
@@ -170,21 +165,23 @@ def _define_flags() -> None:
   flags.DEFINE_bool("request_token_ids", True, "openai backend: ask for the response's token "
                     "ids (return_token_ids, as vLLM and our server take it); without them the "
                     "text is tokenized")
-  for name in ("target", "prompts", "out"):
+  for name in ("checkpoint", "prompts", "out"):
     flags.mark_flag_as_required(name)
 
 
 def make_generator(backend: str, load_target: Callable, *, checkpoint: str, width: int,
                    temperature: float = 0.0, mesh_axes: str = "", tokenizer=None,
                    head: tuple = (None, None), method: str | None = None,
-                   budget: int = DEFAULT_BUDGET) -> Generator:
+                   budget: int | str = DEFAULT_BUDGET, max_budget: int = 256,
+                   top_k: int = DEFAULT_TOP_K, attention: str = "xla") -> Generator:
   """The generator of `backend` (one of BACKENDS), its target loaded now.
 
   `width`: the engine's slots, or a static batch's prompts. `load_target(shardings)` returns
   the target's (config, params) placed by `shardings` (see `checkpoint.load_qwen3`); torch
   reads the HF `checkpoint` itself. `tokenizer` turns responses into text for stop strings.
   `head`: (HeadConfig, params) to regenerate speculatively with `method` (default jetflow with
-  a head, ar without).
+  a head, ar without), its tree as `policy.tree_shape_for` and `speculative_generate` take
+  them (`budget` a node count or "auto", up to `max_budget`).
   """
   from jetflow_jax.sampling import make_sampler
   from jetflow_jax.train import regenerate_backends as backends
@@ -197,13 +194,14 @@ def make_generator(backend: str, load_target: Callable, *, checkpoint: str, widt
   mesh = local_mesh(mesh_axes)
   config, params = load_target(mesh.param_shardings)
   head_config, head_params = head
-  method = method or ("jetflow" if head_config else "ar")
+  tree = dict(method=method or ("jetflow" if head_config else "ar"), budget=budget,
+              max_budget=max_budget, top_k=top_k,
+              attention=attention_for_backend(attention, jax.default_backend()))
   if backend == "jax":
-    return backends.engine_generator(params, config, head_params, head_config, method=method,
-                                     budget=budget, slots=width, temperature=temperature,
-                                     decode=decode, mesh=mesh)
+    return backends.engine_generator(params, config, head_params, head_config, slots=width,
+                                     temperature=temperature, decode=decode, mesh=mesh, **tree)
   batches = backends.jax_batches(params, config, make_sampler(temperature), mesh, head_params,
-                                 head_config, method, budget)
+                                 head_config, **tree)
   return backends.static_generator(batches, width, decode)
 
 
@@ -214,6 +212,7 @@ def main(argv) -> None:
   from jetflow_jax import distributed
   from jetflow_jax.checkpoint import load_qwen3
   from jetflow_jax.head_checkpoint import load_head
+  from jetflow_jax.pair import max_budget, parse_budget
   from jetflow_jax.train.data import read_jsonl
   from jetflow_jax.train.regenerate_openai import openai_generator
   f = flags.FLAGS
@@ -223,7 +222,7 @@ def main(argv) -> None:
     if min(f.slots, f.batch_size) < 1:
       raise InputError(f"--slots and --batch_size must be >= 1 (got {f.slots}, {f.batch_size})")
     records = list(read_jsonl(f.prompts))
-    tokenizer = tokenizer_if_needed(records, f.tokenizer or f.target)
+    tokenizer = tokenizer_if_needed(records, f.tokenizer or f.checkpoint)
     dtype = cli.parse_dtype(f.dtype)
 
     def generator():
@@ -233,18 +232,19 @@ def main(argv) -> None:
           raise InputError("the openai backend needs --model (the served model's name)")
         return openai_generator(
             f.server, model=f.model, concurrency=f.concurrency, temperature=f.temperature,
-            load_tokenizer=lambda: tokenizer or load_tokenizer(f.tokenizer or f.target),
+            load_tokenizer=lambda: tokenizer or load_tokenizer(f.tokenizer or f.checkpoint),
             decode=detokenizer(tokenizer),
             request_token_ids=f.request_token_ids)
       if f.backend == "torch" and f.threads:
         import torch
         torch.set_num_threads(f.threads)
       return make_generator(
-          f.backend, lambda shardings: load_qwen3(f.target, dtype, shardings),
-          checkpoint=f.target, width=f.slots if f.backend == "jax" else f.batch_size,
+          f.backend, lambda shardings: load_qwen3(f.checkpoint, dtype, shardings),
+          checkpoint=f.checkpoint, width=f.slots if f.backend == "jax" else f.batch_size,
           temperature=f.temperature, mesh_axes=f.mesh, tokenizer=tokenizer,
           head=load_head(f.head, dtype) if f.head else (None, None), method=f.method,
-          budget=f.budget)
+          budget=parse_budget(f.budget), max_budget=max_budget(f), top_k=f.top_k,
+          attention=f.attention)
 
     count = regenerate(records, f.out, generator, tokenizer=tokenizer,
                        max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,

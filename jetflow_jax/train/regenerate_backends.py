@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 from jetflow_jax.checkpoint import is_converted
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding import speculative_generate
-from jetflow_jax.decoding.policy import DEFAULT_BUDGET
+from jetflow_jax.decoding.policy import DEFAULT_BUDGET, DEFAULT_TOP_K
 from jetflow_jax.engine import Orchestrator, Request, Stream, make_engine
 from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
@@ -65,7 +65,9 @@ def tight_cache_size(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> i
 
 def engine_generator(target_params, target_config: Qwen3Config, head_params=None,
                      head_config: HeadConfig | None = None, *, method: str = "ar",
-                     budget: int = DEFAULT_BUDGET, slots: int = 16, rounds_per_step: int = 4,
+                     budget: int | str = DEFAULT_BUDGET, max_budget: int = 256,
+                     top_k: int = DEFAULT_TOP_K, attention: str = "xla", slots: int = 16,
+                     rounds_per_step: int = 4,
                      temperature: float = 0.0, decode: Decode | None = None,
                      mesh: DecodeMesh | None = None) -> Generator:
   """The continuous-batching engine: `slots` requests at a time (rounded up to a multiple of
@@ -80,7 +82,8 @@ def engine_generator(target_params, target_config: Qwen3Config, head_params=None
   def run(jobs, seed):
     context = tight_cache_size([j.prompt for j in jobs], max(j.max_tokens for j in jobs))
     engine = make_engine(target_params, target_config, head_params, head_config, method=method,
-                         budget=budget, num_slots=slots, max_context=context,
+                         budget=budget, max_budget=max_budget, top_k=top_k, attention=attention,
+                         num_slots=slots, max_context=context,
                          rounds_per_step=rounds_per_step, mesh=mesh, warn=lambda _: None)
     orchestrator = Orchestrator(engine)
     todo = iter(jobs)
@@ -120,7 +123,8 @@ def static_generator(generate_batch: BatchFn, batch_size: int,
 def jax_batches(target_params, target_config: Qwen3Config, sampler: Sampler,
                 mesh: DecodeMesh | None = None, head_params=None,
                 head_config: HeadConfig | None = None, method: str = "ar",
-                budget: int = DEFAULT_BUDGET) -> BatchFn:
+                budget: int | str = DEFAULT_BUDGET, max_budget: int = 256,
+                top_k: int = DEFAULT_TOP_K, attention: str = "xla") -> BatchFn:
   """Our jitted decode loop (`speculative_generate`), its cache sized to each batch; with
   `mesh` (a local mesh), the batch is split over its data-parallel copies of the target."""
   ways = 1 if mesh is None else mesh.size("data")
@@ -133,7 +137,8 @@ def jax_batches(target_params, target_config: Qwen3Config, sampler: Sampler,
     padded = list(prompts) + [prompts[-1]] * (widest - len(prompts))
     return speculative_generate(
         target_params, target_config, head_params, head_config, padded, max_new_tokens,
-        method=method, budget=budget, sampler=sampler, seed=seed,
+        method=method, budget=budget, max_budget=max_budget, top_k=top_k, attention=attention,
+        sampler=sampler, seed=seed,
         cache_size=tight_cache_size(padded, max_new_tokens), warn=lambda _: None,
         mesh=mesh).tokens[:len(prompts)]
   return generate_batch
