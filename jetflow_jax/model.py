@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jetflow_jax.attention import AttentionImpl, apply_rope, attention, cached_attention
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
+from jetflow_jax.kernels.tree_attention import causal_attention
 from jetflow_jax.moe import ExpertsImpl, MoE
 
 Dtype = Any
@@ -90,29 +91,36 @@ class Attention(nn.Module):
     """Attends the T new rows to the cache after writing their keys at `cache_index_b`.
 
     `kv` is this layer's `(k_bskh, v_bskh)` buffers, or None to attend to the new rows only.
-    `mask_bts` None (with `kv`) means causal over slots, computed only up to the rows' slots.
+    `mask_bts` None (with `kv`) means causal over slots, computed only up to the rows' slots
+    (with a kernel impl, by the tree kernel: the slots before the rows, then the rows causally).
     With `tree_mask_btt`, the cache is read-only: the rows read its first `cache_index_b`
     slots plus each other under that mask, and their own (k, v) are returned unwritten.
     """
     q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd)), positions_bt, self.config.rope_theta)
     k_btkh, v_btkh = self.keys_values(x_btd, positions_bt)
+    interpret = jax.default_backend() == "cpu"  # Pallas has no CPU backend; there it interprets
     if tree_mask_btt is not None:
       out_btnh = tree_attention(q_btnh, kv[0], kv[1], cache_index_b, k_btkh.astype(self.dtype),
                                 v_btkh.astype(self.dtype), tree_mask_btt, impl=self.impl,
-                                # Pallas has no CPU backend; there it runs interpreted.
-                                interpret=jax.default_backend() == "cpu")
+                                interpret=interpret)
       return self.o_proj(out_btnh), (k_btkh, v_btkh)
+    k_bskh, v_bskh = k_btkh, v_btkh  # without a cache, the rows' own K/V at slots 0..T-1
     if kv is not None:
-      k_btkh = write_rows(kv[0], k_btkh, cache_index_b)
-      v_btkh = write_rows(kv[1], v_btkh, cache_index_b)
-    if mask_bts is None:  # causal over slots (the rows' own without a cache), as far as they reach
-      slots_bt = cache_index_b[:, None] + jnp.arange(x_btd.shape[1], dtype=jnp.int32)
-      out_btnh = cached_attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype),
-                                  slots_bt)
-    else:
-      out_btnh = attention(q_btnh, k_btkh.astype(self.dtype), v_btkh.astype(self.dtype),
+      k_bskh = write_rows(kv[0], k_btkh, cache_index_b)
+      v_bskh = write_rows(kv[1], v_btkh, cache_index_b)
+    if mask_bts is not None:
+      out_btnh = attention(q_btnh, k_bskh.astype(self.dtype), v_bskh.astype(self.dtype),
                            mask_bts, impl=self.impl)
-    return self.o_proj(out_btnh), (k_btkh, v_btkh)
+    elif self.impl == "xla":  # causal over slots, in blocks only as far as the rows reach
+      slots_bt = cache_index_b[:, None] + jnp.arange(x_btd.shape[1], dtype=jnp.int32)
+      out_btnh = cached_attention(q_btnh, k_bskh.astype(self.dtype), v_bskh.astype(self.dtype),
+                                  slots_bt)
+    else:  # the same through the tree kernel: the slots before the rows, then the rows, causally
+      start_b = cache_index_b if kv is not None else jnp.zeros_like(cache_index_b)
+      out_btnh = causal_attention(q_btnh, k_bskh, v_bskh, start_b, k_btkh.astype(k_bskh.dtype),
+                                  v_btkh.astype(v_bskh.dtype), impl=self.impl,
+                                  interpret=interpret)
+    return self.o_proj(out_btnh), (k_bskh, v_bskh)
 
 
 class MLP(nn.Module):

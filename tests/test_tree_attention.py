@@ -1,5 +1,6 @@
 """Tree-verify attention: XLA reference vs a float64 brute force, Pallas (interpret) vs the
-reference, garbage past cache_len, and Pallas lowering for CUDA at Qwen3-8B shapes."""
+reference and the brute force at every query count decoding uses, garbage past cache_len, causal
+chunks through the kernels, and Pallas lowering for CUDA at Qwen3-8B shapes."""
 
 import functools
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from jetflow_jax.kernels import tree_attention
+from jetflow_jax.kernels.tree_attention import causal_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -142,6 +144,42 @@ def test_garbage_past_cache_len_is_ignored(impl):
     for name in ("k_cache", "v_cache"):
       case[name] = jnp.where(stale_bs11, garbage, case[name])
     np.testing.assert_allclose(run(case, **kwargs), clean, atol=1e-6, rtol=0)
+
+
+# Every query count a kernel sees in decoding: an AR step (1), the draft head's block (16, all
+# rows reading each other), a verify tree (64) and a prefill chunk (128, causal). Mosaic's trees
+# are checked in test_tree_attention_tpu.
+QUERY_COUNTS = [("pallas", 1, "tree"), ("pallas", 16, "full"), ("pallas", 64, "tree"),
+                ("pallas", 128, "causal"), ("pallas_tpu", 128, "causal")]
+
+
+@pytest.mark.parametrize("impl,t,mask", QUERY_COUNTS)
+def test_kernel_interpret_matches_brute_force_at_every_query_count(impl, t, mask):
+  """Rows of cache length 0, S and in between."""
+  case = make_case(7, b=3, t=t, s=150, n=4, k=2, h=32, cache_len=[0, 150, 77])
+  if mask != "tree":
+    square = np.tril(np.ones((t, t), bool)) if mask == "causal" else np.ones((t, t), bool)
+    case["mask"] = jnp.broadcast_to(jnp.asarray(square), (3, t, t))
+  out = run(case, impl=impl, interpret=True)
+  np.testing.assert_allclose(out, brute_force(case), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "pallas_tpu"])
+def test_causal_attention_reads_the_buffer_up_to_each_row(impl):
+  """A chunk of 100 rows written at slots start_b + t of a 180-slot buffer (starts 0, 80 and 23;
+  blocks of 48 leave a short last one); garbage past the chunk is never read."""
+  b, t, s, n, k, h = 3, 100, 180, 4, 2, 32
+  start = np.array([0, 80, 23])
+  case = make_case(5, b=b, t=t, s=s, n=n, k=k, h=h, cache_len=start)
+  k_buf, v_buf = (np.array(case[name]) for name in ("k_cache", "v_cache"))
+  for bi, lo in enumerate(start):
+    k_buf[bi, lo:lo + t], v_buf[bi, lo:lo + t] = case["k_new"][bi], case["v_new"][bi]
+    k_buf[bi, lo + t:] = v_buf[bi, lo + t:] = np.nan
+  case["mask"] = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  fn = jax.jit(functools.partial(causal_attention, impl=impl, interpret=True, query_block=48))
+  out = fn(case["q"], jnp.asarray(k_buf), jnp.asarray(v_buf), case["cache_len"], case["k_new"],
+           case["v_new"])
+  np.testing.assert_allclose(np.asarray(out), brute_force(case), atol=2e-5, rtol=0)
 
 
 def lower_for_cuda(fn, *args) -> str:

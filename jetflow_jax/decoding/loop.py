@@ -153,14 +153,15 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   prefill_statics = dict(config=spec.config, drafter=spec.drafter,
                          slots=capacity + spec.drafter.depth + 1, capacity=capacity,
                          ladder=len(spec.ladder), pending=pending_rounds(spec),
-                         sampled=spec.sampled, filtered=spec.filtered, mesh=mesh)
+                         sampled=spec.sampled, filtered=spec.filtered, impl=spec.impl,
+                         mesh=mesh)
 
   def build_prefill():
     executable = prefill.lower(*params, *row_args, **prefill_statics).compile(options)
     state = executable.out_info
     return executable, state if mesh is None else abstract(state, executable.output_shardings)
 
-  # One prefill for every tree shape and attention impl.
+  # One prefill for every tree shape (the budgets of auto share it).
   prefill_fn, state = compiled.get(shapes + tuple(prefill_statics.items()), build_prefill)
   decode_fn = compiled.get(shapes + (spec,), lambda: decode.lower(
       *params, state, int_scalar, spec=spec).compile(options))

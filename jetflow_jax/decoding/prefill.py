@@ -8,6 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jetflow_jax.attention import AttentionImpl
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.state import DecodeState, is_stop, scores, stop_code
 from jetflow_jax.drafters import Drafter
@@ -24,7 +25,7 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
                     cache_size: int, *, mesh: DecodeMesh | None = None,
                     tap_layers: tuple[int, ...] = (), init_taps: Callable | None = None,
                     commit_taps: Callable | None = None, chunk: int = PREFILL_CHUNK,
-                    keep_hidden: bool = False):
+                    keep_hidden: bool = False, impl: AttentionImpl = "xla"):
   """The padded prompts through the target into a cache of `cache_size` slots.
 
   Returns (cache, final hidden state at each row's last prompt token `[B, D]`, or with
@@ -32,7 +33,8 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
   With `tap_layers`, the taps of the prompt rows are folded into a state: `init_taps(taps)`
   for the first rows, then `commit_taps(state, taps, start_b)` for each later chunk. A prompt
   longer than `chunk` runs `chunk` tokens at a time (the last chunk what is left), each
-  attending to the cache written before it.
+  attending to the cache written before it (with a kernel `impl`, through the kernel, which
+  reads the cache only up to the chunk's start).
   """
   batch, length = prompt_bt.shape
   rows = jnp.arange(batch)
@@ -40,7 +42,7 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
   sharding = None if mesh is None else mesh.cache_sharding(config, batch)
   if length <= chunk:  # one pass; the cache is built around the rows' own K/V
     hidden_btd, prompt_kv, taps = forward(target_params, config, prompt_bt,
-                                          tap_layers=tap_layers, mesh=target_mesh)
+                                          tap_layers=tap_layers, mesh=target_mesh, impl=impl)
     return (KVCache.from_rows(prompt_kv, cache_size, sharding),
             hidden_btd if keep_hidden else hidden_btd[rows, prompt_lengths_b - 1],
             init_taps(taps) if init_taps else None)
@@ -52,7 +54,7 @@ def prefill_forward(target_params, config: Qwen3Config, prompt_bt, prompt_length
     tokens_bt = jax.lax.dynamic_slice_in_dim(prompt_bt, start, size, axis=1)
     hidden_btd, cache, taps = forward(target_params, config, tokens_bt, cache=cache,
                                       cache_index_b=start_b, tap_layers=tap_layers,
-                                      mesh=target_mesh)
+                                      mesh=target_mesh, impl=impl)
     if keep_hidden:
       hidden = jax.lax.dynamic_update_slice_in_dim(hidden, hidden_btd, start, axis=1)
     else:
@@ -98,12 +100,13 @@ def prompt_scores(target_params, config: Qwen3Config, hidden_btd, prompt_bt, top
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "slots", "capacity", "top",
                                              "ladder", "pending", "sampled", "filtered",
-                                             "prompt_logprobs", "mesh", "chunk"))
+                                             "prompt_logprobs", "mesh", "chunk", "impl"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_lengths_b, keys_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
             slots: int, capacity: int, top: int = 0, ladder: int = 0, pending: int = 0,
             sampled: bool = True, filtered: bool = True, prompt_logprobs: bool = False,
-            mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK) -> DecodeState:
+            mesh: DecodeMesh | None = None, chunk: int = PREFILL_CHUNK,
+            impl: AttentionImpl = "xla") -> DecodeState:
   """The padded prompts through the target and the drafter, and each row's first token.
 
   Buffers get `slots` slots, more than any prompt; a row may hold `capacity` tokens (a batch
@@ -116,7 +119,7 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
   round predicts for (`RoundSpec.ladder`). `pending` > 0 (the loop that chooses budgets): the
   prompt's taps, and those of up to `pending` AR rounds after it, are kept back from the
   drafter until a round drafts (`round.flush_pending`), so a run that stays on AR never pays
-  for the drafter's context.
+  for the drafter's context. `impl`: the target's attention (`RoundSpec.impl`).
   """
   batch, prompt_len = prompt_bt.shape
   rows = jnp.arange(batch)
@@ -133,7 +136,7 @@ def prefill(target_params, drafter_params, prompt_bt, prompt_lengths_b, max_leng
   cache, hidden, taps_state = prefill_forward(
       target_params, config, prompt_bt, prompt_lengths_b, slots, mesh=mesh,
       tap_layers=drafter.tap_layers, chunk=chunk, keep_hidden=prompt_logprobs,
-      init_taps=init_taps, commit_taps=commit_taps)
+      init_taps=init_taps, commit_taps=commit_taps, impl=impl)
   if pending:  # an empty context with room for every kept-back row, the prompt's first
     pending_taps_bpld, drafter_state = taps_state, jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: drafter.init_state(

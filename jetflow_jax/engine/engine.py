@@ -76,18 +76,18 @@ def placed(state: EngineState, config: Qwen3Config, mesh: DecodeMesh | None) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "capacity", "top", "ladder",
-                                             "prompt_logprobs", "mesh"))
+                                             "prompt_logprobs", "impl", "mesh"))
 def prefill(target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b, seed_b,
             sampling: RowSampling, stop_tokens_bk, *, config: Qwen3Config, drafter: Drafter,
             capacity: int, top: int, ladder: int = 0, prompt_logprobs: bool = False,
-            mesh: DecodeMesh | None = None) -> DecodeState:
+            impl: str = "xla", mesh: DecodeMesh | None = None) -> DecodeState:
   """One request (a row of its own) through the target and drafter, and its first token: its
   buffers hold the prompt bucket and that token, its capacity is a slot's."""
   return prefill_lib.prefill(
       target_params, drafter_params, prompt_bt, prompt_length_b, max_length_b,
       jax.vmap(jax.random.key)(seed_b), sampling, stop_tokens_bk, config=config,
       drafter=drafter, slots=prompt_bt.shape[1] + 1, capacity=capacity, top=top, ladder=ladder,
-      prompt_logprobs=prompt_logprobs, mesh=mesh)
+      prompt_logprobs=prompt_logprobs, impl=impl, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
@@ -285,7 +285,7 @@ class Engine:
                    stop_rows([stop], self.max_stop_tokens), config=self.config,
                    drafter=self.drafter, capacity=self.max_context, top=self.top_logprobs,
                    ladder=len(self.ladder), prompt_logprobs=request.prompt_logprobs,
-                   mesh=self.mesh)
+                   impl=self.impl, mesh=self.mesh)
 
   def insert(self, state: EngineState, prefix: DecodeState, slot: int) -> EngineState:
     """`prefix` into free slot `slot` (the state is donated)."""

@@ -19,6 +19,12 @@ from jetflow_jax.kernels.tree_attention_pallas import tree_attention_pallas
 from jetflow_jax.kernels.tree_attention_tpu import tree_attention_tpu
 
 TreeAttentionImpl = Literal["xla", "pallas", "pallas_tpu"]
+# Query rows per kernel call of `causal_attention`, per impl (None: all of them in one call). The
+# Mosaic kernel keeps every row of a call, its [T, T] mask and its [T, T] tree scores in VMEM:
+# at a 2,048-row prefill chunk those two alone are 32 MiB, past the default scoped VMEM limit
+# (16 or 32 MiB by TPU generation), so it takes chunks 256 rows at a time (the largest verify it
+# is lowered for). Triton's programs hold 128 rows each whatever T is.
+CAUSAL_QUERY_BLOCK = {"xla": None, "pallas": None, "pallas_tpu": 256}
 
 
 def pallas_impl(backend: str) -> TreeAttentionImpl:
@@ -94,3 +100,29 @@ def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax
     return tree_attention_tpu(q_btnh, k_cache_bskh, v_cache_bskh, cache_len_b, k_new_btkh,
                               v_new_btkh, new_mask_btt, interpret=interpret, block_kv=block_kv)
   raise ValueError(f"unknown tree attention impl {impl!r}")
+
+
+def causal_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, start_b: jax.Array,
+                     k_new_btkh: jax.Array, v_new_btkh: jax.Array, *,
+                     impl: TreeAttentionImpl = "xla",
+                     interpret: bool | pltpu.InterpretParams = False,
+                     query_block: int | None = None) -> jax.Array:
+  """Causal attention of T consecutive rows (a prefill chunk) through `tree_attention`.
+
+  Row t sits at slot start_b[b] + t of buffers `[B, S, K, H]` that already hold the T rows'
+  keys and values (`k_new_btkh`, `v_new_btkh`) there, and reads every slot up to its own. The
+  rows go `query_block` at a time (None: `CAUSAL_QUERY_BLOCK[impl]`), each block reading the
+  buffers' first start_b + lo slots as its cache (the chunk's earlier rows included) and its
+  own rows under a causal mask, so a call costs what the rows reach, not the buffer's size.
+  """
+  t = q_btnh.shape[1]
+  block = query_block or CAUSAL_QUERY_BLOCK[impl] or t
+  outs = []
+  for lo in range(0, t, block):
+    size = min(block, t - lo)
+    rows = lambda x: x[:, lo:lo + size]
+    causal_btt = jnp.broadcast_to(jnp.tril(jnp.ones((size, size), bool)),
+                                  (q_btnh.shape[0], size, size))
+    outs.append(tree_attention(rows(q_btnh), k_bskh, v_bskh, start_b + lo, rows(k_new_btkh),
+                               rows(v_new_btkh), causal_btt, impl=impl, interpret=interpret))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
