@@ -6,6 +6,9 @@ Run as a script from the repository root (it puts the root on sys.path, so this 
   python bench/step_costs.py                       # cpu-small: a small random Qwen3, float32, CPU
   python bench/step_costs.py --preset qwen3-8b     # Qwen3-8B shapes, bfloat16; needs a GPU
   python bench/step_costs.py --lengths 32 --budgets 8,16 --repeats 2 --layers 3 --vocab 512
+  python bench/gpu_step.py --batch 8 --lengths 4096,32768   # 8 rows per piece, 4K and 32K tokens
+  python bench/step_costs.py --preset qwen3-8b --floor-only --device-kind "NVIDIA H200" \
+      --batch 1,8,32 --lengths 4096,32768                   # floors only: runs nothing, any machine
 
 Target, head, prompt and draft log-probs are all random: the costs depend on shapes only. A row
 holds `length` committed tokens (the prompt is `length - 1` tokens plus the first new one), so
@@ -25,6 +28,14 @@ Pieces, per committed length:
                         `done_b` (as a streaming loop does), per round.
 Pallas on CPU runs in interpret mode: allowed (`--attention xla,pallas`) but its times say
 nothing about a GPU.
+
+Every piece runs `--batch` rows (one value per measuring run; each row holds `length` tokens)
+and is set against its floor (`jetflow_jax.roofline`: weights and each row's cache read once,
+FLOPs at the dense bf16 peak) on the device it runs on: bytes, FLOPs, floor and measured / floor,
+in the table and the JSON; 'n/a' (JSON null) on a CPU or a device the table lacks. The loops'
+floor is that of one round at the loop's budget. `--floor-only` prints and writes the floors of
+a preset for `--device-kind` (several, comma-separated), `--batch` and `--lengths` (lists), and
+measures nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jetflow_jax import cli
+from jetflow_jax import cli, roofline
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.loop import decode
 from jetflow_jax.decoding.prefill import prefill
@@ -84,6 +95,7 @@ class Preset:
   attention: tuple[str, ...]
   repeats: int
   needs_gpu: bool
+  batches: tuple[int, ...] = (1,)
 
 
 PRESETS = {
@@ -119,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
   parser.add_argument("--lengths", help="committed lengths, comma-separated (preset's default)")
   parser.add_argument("--budgets", help="tree budgets N, comma-separated (preset's default)")
+  parser.add_argument("--batch", help="rows per piece (preset's default 1); several, "
+                      "comma-separated, with --floor-only only")
   parser.add_argument("--attention", help="tree attention impls: xla, pallas or xla,pallas")
   parser.add_argument("--repeats", type=int, help="timed runs per piece after one warm-up")
   parser.add_argument("--top-k", type=int, default=7, help="candidate children per depth")
@@ -132,7 +146,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--compile-cache", help="persistent XLA compilation cache directory")
   parser.add_argument("--allow-cpu", action="store_true",
                       help="run a GPU preset on CPU anyway")
-  parser.add_argument("--out", help="JSON path (default bench/results/step_costs_<preset>.json)")
+  parser.add_argument("--floor-only", action="store_true",
+                      help="print and write the pieces' floors (bytes, FLOPs, ms); measure nothing")
+  parser.add_argument("--device-kind", help="with --floor-only: jax device_kind(s) whose floors "
+                      "to give, comma-separated (default: this machine's)")
+  parser.add_argument("--out", help="JSON path (default bench/results/step_costs_<preset>[_b<B>]"
+                      ".json; with --floor-only bench/results/floor_<preset>.json)")
   return parser.parse_args(argv)
 
 
@@ -149,23 +168,21 @@ class Plan:
   attention: tuple[str, ...]
   repeats: int
   top_k: int
+  batches: tuple[int, ...]  # one when measuring
   loop_rounds: int
   loop_budget: int
   seed: int
   out: str
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-  """Preset defaults overridden by flags; raises InputError on anything unusable."""
-  preset = PRESETS[args.preset]
-  if preset.needs_gpu and jax.default_backend() == "cpu" and not args.allow_cpu:
-    raise InputError(f"the {args.preset} preset needs a GPU but jax's backend is cpu; install "
-                     "jax with CUDA (pip install -e '.[cuda12]') or pass --allow-cpu")
+def preset_pair(preset: Preset, layers: int | None = None,
+                vocab: int | None = None) -> tuple[Qwen3Config, HeadConfig]:
+  """The preset's target (shrunk to `layers` / `vocab` when given) and its head."""
   config = preset.config
-  if args.layers is not None:
-    config = dataclasses.replace(config, num_hidden_layers=args.layers)
-  if args.vocab is not None:
-    config = dataclasses.replace(config, vocab_size=args.vocab)
+  if layers is not None:
+    config = dataclasses.replace(config, num_hidden_layers=layers)
+  if vocab is not None:
+    config = dataclasses.replace(config, vocab_size=vocab)
   if config.num_hidden_layers < 2 or config.vocab_size < 2:
     raise InputError("--layers and --vocab must be >= 2 (a head taps a layer below the last)")
   # A shrunk target keeps as many of the preset's taps as still sit below its last layer.
@@ -176,6 +193,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
                                       target_layer_ids=taps, block_size=preset.block_size,
                                       mask_token_id=mask_id)
   head_config.validate_for(config)
+  return config, head_config
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+  """Preset defaults overridden by flags; raises InputError on anything unusable."""
+  preset = PRESETS[args.preset]
+  if args.device_kind and not args.floor_only:
+    raise InputError("--device-kind is for --floor-only (a measuring run uses its own device)")
+  if (preset.needs_gpu and not args.floor_only and jax.default_backend() == "cpu"
+      and not args.allow_cpu):
+    raise InputError(f"the {args.preset} preset needs a GPU but jax's backend is cpu; install "
+                     "jax with CUDA (pip install -e '.[cuda12]') or pass --allow-cpu")
+  config, head_config = preset_pair(preset, args.layers, args.vocab)
 
   lengths = parse_ints(args.lengths, "--lengths") if args.lengths else preset.lengths
   if min(lengths) < 2:
@@ -189,13 +219,21 @@ def make_plan(args: argparse.Namespace) -> Plan:
   repeats = preset.repeats if args.repeats is None else args.repeats
   if repeats < 1 or args.loop_rounds < 1:
     raise InputError("--repeats and --loop-rounds must be >= 1")
+  batches = tuple(dict.fromkeys(parse_ints(args.batch, "--batch"))) if args.batch else (
+      preset.batches)
+  if len(batches) > 1 and not args.floor_only:
+    raise InputError("a measuring run takes one --batch (each compiles its own executables); "
+                     "run once per batch size, or pass --floor-only")
   loop_budget = args.loop_budget or max([n for n in budgets if n <= 64] or [min(budgets)])
   for n in sorted(set(budgets) | {loop_budget}):
     validate_tree_args(head_config.depth, config.vocab_size, n, args.top_k)
-  out = args.out or os.path.join(ROOT, "bench", "results", f"step_costs_{args.preset}.json")
+  suffix = "" if batches == (1,) else f"_b{batches[0]}"
+  name = (f"floor_{args.preset}.json" if args.floor_only
+          else f"step_costs_{args.preset}{suffix}.json")
+  out = args.out or os.path.join(ROOT, "bench", "results", name)
   return Plan(args.preset, config, head_config, preset.dtype, tuple(dict.fromkeys(lengths)),
               tuple(dict.fromkeys(budgets)), tuple(dict.fromkeys(attention)), repeats,
-              args.top_k, args.loop_rounds, loop_budget, args.seed, out)
+              args.top_k, batches, args.loop_rounds, loop_budget, args.seed, out)
 
 
 # --- the timed functions (each jitted once per shape; compiled ahead of time below) ---
@@ -281,15 +319,15 @@ class Compiler:
 def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
   """Lowers every executable of every length and submits its compile."""
   config, head_config = plan.config, plan.head_config
-  depth = head_config.depth
+  depth, batch = head_config.depth, plan.batches[0]
   int_scalar = jax.ShapeDtypeStruct((), jnp.int32)
   drafters = {impl: HeadDrafter(head_config, plan.dtype, impl) for impl in plan.attention}
   greedy = dict(config=config, sampled=False, filtered=False)
   for length in plan.lengths:
     # Room for the loops' rounds, each committing at most depth + 1 tokens, plus one spare.
     capacity = length + (plan.loop_rounds + 1) * (depth + 1)
-    rows_abs = abstract(greedy_rows(np.zeros((1, length - 1), np.int32),
-                                    np.ones((1,), np.int32), 1, 0))
+    rows_abs = abstract(greedy_rows(np.zeros((batch, length - 1), np.int32),
+                                    np.ones((batch,), np.int32), 1, 0))
     loop_spec = RoundSpec(drafter=drafters[plan.attention[0]],
                           tree_shape=TreeShape("top_n", plan.loop_budget, plan.top_k),
                           impl=plan.attention[0], **greedy)
@@ -302,14 +340,14 @@ def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
     ar_spec = RoundSpec(drafter=NoDrafter(), tree_shape=TreeShape("root"), **greedy)
     compiler.submit((length, "ar_step"), lambda: round_step.lower(target_abs, None, ar_abs,
                                                                   spec=ar_spec))
-    context_abs = jax.ShapeDtypeStruct((1,), jnp.int32)
+    context_abs = jax.ShapeDtypeStruct((batch,), jnp.int32)
     for impl, drafter in drafters.items():
       compiler.submit((length, f"head/{impl}"), lambda: head_forward.lower(
           head_abs, target_abs, spec_abs.drafter_state, context_abs, context_abs, config=config,
           drafter=drafter))
       for n in plan.budgets:
         tree_abs = jax.eval_shape(functools.partial(build_tree, budget=n, top_k=plan.top_k),
-                                  jax.ShapeDtypeStruct((1, depth, config.vocab_size),
+                                  jax.ShapeDtypeStruct((batch, depth, config.vocab_size),
                                                        jnp.float32))
         compiler.submit((length, f"verify/{impl}/{n}"), lambda: verify.lower(
             target_abs, spec_abs.cache, tree_abs, context_abs, config=config,
@@ -322,20 +360,39 @@ def lower_all(plan: Plan, compiler: Compiler, target_abs, head_abs) -> None:
         target_abs, head_abs, spec_abs, int_scalar, spec=loop_spec))
 
 
+def floor_key(plan: Plan, name: str) -> str:
+  """The `roofline.pieces` name of a measured piece (impl dropped; a loop's is its round's)."""
+  kind, *rest = name.split("/")
+  if kind in ("device_loop", "host_loop"):
+    return f"round/{plan.loop_budget}"
+  return "/".join([kind, *rest[1:]])
+
+
+def floor_costs(plan: Plan, batch: int, length: int) -> dict[str, roofline.Cost]:
+  """The roofline's cost of every piece (and of the loops' round) at one batch and length."""
+  budgets = tuple(dict.fromkeys(plan.budgets + (plan.loop_budget,)))
+  return roofline.pieces(plan.config, plan.head_config, plan.dtype, batch, length, budgets)
+
+
 def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.random.Generator,
-                   bar: tqdm) -> dict:
-  """Prefills one committed length and times every piece; returns its JSON record."""
+                   bar: tqdm, device: roofline.Device | None) -> dict:
+  """Prefills one committed length and times every piece; returns its JSON record, each piece
+  with its floor on `device` (None: unknown) and measured / floor."""
   target_params, head_params = params
-  config, depth = plan.config, plan.head_config.depth
+  config, depth, batch = plan.config, plan.head_config.depth, plan.batches[0]
   pieces, compile_s = {}, {}
+  costs = floor_costs(plan, batch, length)
 
   def record(name, samples, executable=None):
-    pieces[name] = dict(ms=statistics.median(samples), samples_ms=samples,
-                        compile_s=compiler.get((length, executable or name))[1])
+    ms = statistics.median(samples)
+    floor = roofline.summary(costs[floor_key(plan, name)], device)
+    pieces[name] = dict(
+        ms=ms, samples_ms=samples, compile_s=compiler.get((length, executable or name))[1],
+        **floor, measured_over_floor=None if floor["floor_ms"] is None else ms / floor["floor_ms"])
     bar.update()
 
-  prompt_bt = rng.integers(0, config.vocab_size, (1, length - 1)).astype(np.int32)
-  prompt_lengths_b = np.array([length - 1], np.int32)
+  prompt_bt = rng.integers(0, config.vocab_size, (batch, length - 1)).astype(np.int32)
+  prompt_lengths_b = np.full((batch,), length - 1, np.int32)
   max_new = np.int32(10 * length)  # never the limit: rows stop only at capacity, out of reach
   rows = greedy_rows(prompt_bt, prompt_lengths_b, max_new, plan.seed)
   spec_prefill, compile_s["spec_prefill"] = compiler.get((length, "spec_prefill"))
@@ -343,7 +400,7 @@ def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.
   ar_prefill, compile_s["ar_prefill"] = compiler.get((length, "ar_prefill"))
   ar_state = jax.block_until_ready(ar_prefill(target_params, None, *rows))
   context_len_b = spec_state.lengths_b - 1
-  anchor_b = spec_state.tokens_bs[0, context_len_b]
+  anchor_b = spec_state.tokens_bs[jnp.arange(batch), context_len_b]
 
   step = compiler.get((length, "ar_step"))[0]
   record("ar_step", sample_ms(step, lambda: (target_params, None, copy_tree(ar_state)),
@@ -351,7 +408,7 @@ def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.
   trees = {}
   for n in plan.budgets:
     logprobs_bdv = jax.nn.log_softmax(
-        3.0 * jax.random.normal(jax.random.key(plan.seed + n), (1, depth, config.vocab_size)),
+        3.0 * jax.random.normal(jax.random.key(plan.seed + n), (batch, depth, config.vocab_size)),
         axis=-1)
     tree = build_tree(logprobs_bdv, n, plan.top_k)
     trees[n] = jax.block_until_ready(tree.replace(tokens=tree.tokens.at[:, 0].set(anchor_b)))
@@ -372,7 +429,7 @@ def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.
   rounds = plan.loop_rounds
 
   def check_rounds(state):
-    done = int(jax.device_get(state.rounds_b)[0])
+    done = int(jax.device_get(state.rounds_b).min())
     if done != rounds:
       raise RuntimeError(f"the loop ran {done} rounds, not {rounds}: a row finished early")
 
@@ -387,8 +444,8 @@ def measure_length(plan: Plan, compiler: Compiler, length: int, params, rng: np.
   record("device_loop", sample_ms(lambda *a: loop(*a, np.int32(rounds)), fresh, plan.repeats,
                                   rounds, check_rounds), "loop")
   record("host_loop", sample_ms(host_loop, fresh, plan.repeats, rounds, check_rounds), "loop")
-  return dict(committed_length=length, cache_slots=int(spec_state.cache.size), pieces=pieces,
-              prefill_compile_s=compile_s)
+  return dict(committed_length=length, batch=batch, cache_slots=int(spec_state.cache.size),
+              pieces=pieces, prefill_compile_s=compile_s)
 
 
 def add_ratios(plan: Plan, result: dict) -> None:
@@ -417,33 +474,90 @@ def add_ratios(plan: Plan, result: dict) -> None:
   result["ratios"], result["targets"] = ratios, targets
 
 
+def fmt(value, spec: str) -> str:
+  """A table cell: `value` formatted, or n/a for a missing floor."""
+  return "n/a" if value is None else format(value, spec)
+
+
 def table(plan: Plan, result: dict) -> str:
-  """Markdown: rows are pieces, columns attention impls (AR step and loops use no tree kernel)."""
-  ms, ratios = {k: v["ms"] for k, v in result["pieces"].items()}, result["ratios"]
+  """Markdown: rows are pieces, columns attention impls (AR step and loops use no tree kernel),
+  then the piece's bytes, FLOPs and floor, and each impl's measured / floor."""
+  pieces, ratios = result["pieces"], result["ratios"]
   impls = plan.attention
-  rows = [("AR step (ms)", {i: ms["ar_step"] for i in impls}),
-          ("head forward (ms)", {i: ms[f"head/{i}"] for i in impls})]
-  rows += [(f"verify N={n} (ms)", {i: ms[f"verify/{i}/{n}"] for i in impls})
-           for n in plan.budgets]
-  rows += [(f"round N={n} (ms)", {i: ms[f"round/{i}/{n}"] for i in impls}) for n in plan.budgets]
-  rows += [(f"round / (head + verify) N={n}", {i: ratios[f"round/(head+verify)/{i}/{n}"]
-                                               for i in impls}) for n in plan.budgets]
-  rows += [(f"verify / AR step N={n}", {i: ratios[f"verify/ar_step/{i}/{n}"] for i in impls})
-           for n in plan.budgets]
-  rows.append(("head / AR step", {i: ratios[f"head/ar_step/{i}"] for i in impls}))
+  # (label, piece name per impl) for timed pieces, (label, value per impl) for ratios.
+  timed = [("AR step (ms)", {i: "ar_step" for i in impls}),
+           ("head forward (ms)", {i: f"head/{i}" for i in impls})]
+  timed += [(f"verify N={n} (ms)", {i: f"verify/{i}/{n}" for i in impls}) for n in plan.budgets]
+  timed += [(f"round N={n} (ms)", {i: f"round/{i}/{n}" for i in impls}) for n in plan.budgets]
+  derived = [(f"round / (head + verify) N={n}", {i: ratios[f"round/(head+verify)/{i}/{n}"]
+                                                 for i in impls}) for n in plan.budgets]
+  derived += [(f"verify / AR step N={n}", {i: ratios[f"verify/ar_step/{i}/{n}"] for i in impls})
+              for n in plan.budgets]
+  derived.append(("head / AR step", {i: ratios[f"head/ar_step/{i}"] for i in impls}))
   loop = f"N={plan.loop_budget}, R={plan.loop_rounds}"
-  rows.append((f"device loop {loop} (ms/round)", {impls[0]: ms["device_loop"]}))
-  rows.append((f"host loop {loop} (ms/round)", {impls[0]: ms["host_loop"]}))
-  lines = [f"committed length {result['committed_length']} "
+  loops = [(f"device loop {loop} (ms/round)", {impls[0]: "device_loop"}),
+           (f"host loop {loop} (ms/round)", {impls[0]: "host_loop"})]
+  lines = [f"committed length {result['committed_length']}, batch {result['batch']} "
            f"(cache buffer {result['cache_slots']} slots)", "",
-           "| piece | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
-  for label, values in rows:
-    cells = [f"{values[i]:.3f}" if i in values else "" for i in impls]
+           "| piece | " + " | ".join(impls) + " | GB | GFLOP | floor (ms) | "
+           + " | ".join(f"{i} / floor" for i in impls) + " |",
+           "|---|" + "---:|" * (2 * len(impls) + 3)]
+
+  def timed_line(label, names):
+    first = pieces[next(iter(names.values()))]  # bytes, FLOPs and floor are the impls' own
+    cells = [f"{pieces[names[i]]['ms']:.3f}" if i in names else "" for i in impls]
+    cells += [f"{first['bytes'] / 1e9:.4g}", f"{first['flops'] / 1e9:.4g}",
+              fmt(first["floor_ms"], ".3f")]
+    cells += [fmt(pieces[names[i]]["measured_over_floor"], ".2f") if i in names else ""
+              for i in impls]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+  lines += [timed_line(label, names) for label, names in timed]
+  for label, values in derived:
+    cells = [f"{values[i]:.3f}" for i in impls] + [""] * (3 + len(impls))
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  lines += [timed_line(label, names) for label, names in loops]
   lines += ["", "targets (set for Qwen3-8B on a GPU):"]
   for t in result["targets"]:
     lines.append(f"- {t['name']} [{t['impl']}]: {t['value']:.3f} "
                  f"(limit {t['limit']:g}) {'pass' if t['pass'] else 'MISS'}")
+  return "\n".join(lines)
+
+
+def floor_record(plan: Plan, kinds: list[str]) -> dict:
+  """`--floor-only`: every piece's bytes, FLOPs and floor on each device, per batch and length."""
+  devices = {}
+  for kind in kinds:
+    device = roofline.device_for(kind)
+    devices[kind] = dict(
+        entry=dataclasses.asdict(device) if device else None,
+        batches={str(b): {str(s): {name: roofline.summary(cost, device)
+                                   for name, cost in floor_costs(plan, b, s).items()}
+                          for s in plan.lengths} for b in plan.batches})
+  return dict(preset=plan.preset_name, dtype=jnp.dtype(plan.dtype).name,
+              config=dataclasses.asdict(plan.config),
+              head_config=dataclasses.asdict(plan.head_config), top_k=plan.top_k,
+              budgets=list(plan.budgets), batches=list(plan.batches),
+              lengths=list(plan.lengths), loop_budget=plan.loop_budget, devices=devices)
+
+
+def floor_table(record: dict, kind: str, batch: str) -> str:
+  """Markdown of one device and batch: rows are pieces, columns each length's GB, TFLOP, ms."""
+  lengths = record["devices"][kind]["batches"][batch]
+  entry = record["devices"][kind]["entry"]
+  peaks = (f"{entry['name']}: {entry['hbm_bytes_per_s'] / 1e12:g} TB/s, "
+           f"{entry['flops_per_s'] / 1e12:g} TFLOP/s dense bf16" if entry else "not in the table")
+  lines = [f"{kind} ({peaks}), batch {batch}", "",
+           "| piece | " + " | ".join(f"S={s}: GB | TFLOP | floor (ms)" for s in lengths) + " |",
+           "|---|" + "---:|" * (3 * len(lengths))]
+  for name in next(iter(lengths.values())):
+    cells = []
+    for pieces in lengths.values():
+      p = pieces[name]
+      bound = f" ({p['bound']})" if p["bound"] else ""
+      cells += [f"{p['bytes'] / 1e9:.3f}", f"{p['flops'] / 1e12:.3f}",
+                fmt(p["floor_ms"], ".3f") + bound]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -476,14 +590,18 @@ def run(plan: Plan) -> dict:
   rng = np.random.default_rng(plan.seed)
   num_pieces = len(plan.lengths) * (3 + len(plan.attention) * (1 + 2 * len(plan.budgets)))
   results = {}
+  device = jax.devices()[0]
+  kind = getattr(device, "device_kind", str(device))
+  floor_device = roofline.device_for(kind)
   with tqdm(total=num_pieces, desc="measure", unit="piece") as bar:
     for length in plan.lengths:
-      results[str(length)] = measure_length(plan, compiler, length, params, rng, bar)
+      results[str(length)] = measure_length(plan, compiler, length, params, rng, bar,
+                                            floor_device)
       add_ratios(plan, results[str(length)])
-  device = jax.devices()[0]
   return dict(
-      preset=plan.preset_name, backend=jax.default_backend(),
-      device=getattr(device, "device_kind", str(device)), jax_version=jax.__version__,
+      preset=plan.preset_name, backend=jax.default_backend(), device=kind,
+      floor_device=dataclasses.asdict(floor_device) if floor_device else None,
+      batch=plan.batches[0], jax_version=jax.__version__,
       dtype=jnp.dtype(plan.dtype).name, config=dataclasses.asdict(config),
       head_config=dataclasses.asdict(head_config), budgets=list(plan.budgets),
       attention=list(plan.attention), repeats=plan.repeats, top_k=plan.top_k,
@@ -495,6 +613,30 @@ def run(plan: Plan) -> dict:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
+
+  def floors():
+    plan = make_plan(args)
+    kinds = ([k.strip() for k in args.device_kind.split(",") if k.strip()] if args.device_kind
+             else [jax.devices()[0].device_kind])
+    unknown = [k for k in kinds if roofline.device_for(k) is None]
+    if unknown:
+      raise InputError(f"no peaks known for device kind(s) {unknown}; --device-kind takes e.g. "
+                       f"'NVIDIA H200' or a table name: {', '.join(roofline.DEVICES)}")
+    record = floor_record(plan, kinds)
+    print(f"{plan.preset_name} floors ({record['dtype']}, top-k {plan.top_k}, loops' round "
+          f"N={plan.loop_budget}): max(bytes / HBM bandwidth, FLOPs / dense bf16 peak); a "
+          "round's is the sum of its head's, verify's and commit's")
+    for kind in kinds:
+      for batch in record["devices"][kind]["batches"]:
+        print()
+        print(floor_table(record, kind, batch))
+    write(plan.out, record)
+
+  def write(path, record):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(record, f, indent=1, default=str)
+    print(f"\nwrote {path}")
 
   def bench():
     plan = make_plan(args)
@@ -508,12 +650,9 @@ def main(argv=None) -> None:
     for length in plan.lengths:
       print()
       print(table(plan, record["lengths"][str(length)]))
-    os.makedirs(os.path.dirname(os.path.abspath(plan.out)), exist_ok=True)
-    with open(plan.out, "w") as f:
-      json.dump(record, f, indent=1, default=str)
-    print(f"\nwrote {plan.out}")
+    write(plan.out, record)
 
-  cli.run(bench)
+  cli.run(floors if args.floor_only else bench)
 
 
 if __name__ == "__main__":
