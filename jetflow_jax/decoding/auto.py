@@ -28,7 +28,7 @@ from jetflow_jax.errors import InputError
 
 TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
 # machine only ever adds time)
-AR_RUN_S = 0.2  # AR rounds run back to back for about this long between two decisions
+AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
 PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between probes
 STREAM_INTERVAL_S = 0.05
 

@@ -107,13 +107,16 @@ def batch_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size
 flush = jax.jit(flush_pending, static_argnames=("drafter",), donate_argnames=("state",))
 
 
-PENDING_ROUNDS = 64
+PENDING_ROUNDS = 256
 
 
-def pending_rounds(spec: RoundSpec) -> int:
+def pending_rounds(spec: RoundSpec, rows: Rows, capacity: int) -> int:
   """How many AR rounds in a row may keep their taps back from the drafter, for the loop that
-  chooses budgets (its AR runs go back to the host this seldom at least); 0 otherwise."""
-  return PENDING_ROUNDS if spec.ladder and spec.drafter.tap_layers else 0
+  chooses budgets (its AR runs go back to the host this seldom at least; never more than a row
+  can run); 0 otherwise."""
+  if not (spec.ladder and spec.drafter.tap_layers):
+    return 0
+  return max(1, min(PENDING_ROUNDS, capacity - int(np.min(rows.lengths_b))))
 
 
 class CompileCache:
@@ -152,7 +155,7 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   options = dict(compiler_options) or None
   prefill_statics = dict(config=spec.config, drafter=spec.drafter,
                          slots=capacity + spec.drafter.depth + 1, capacity=capacity,
-                         ladder=len(spec.ladder), pending=pending_rounds(spec),
+                         ladder=len(spec.ladder), pending=pending_rounds(spec, rows, capacity),
                          sampled=spec.sampled, filtered=spec.filtered, impl=spec.impl,
                          mesh=mesh)
 
@@ -226,8 +229,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                  if auto is True else np.ones(len(specs)))  # a given schedule needs no times
     calibrate_s = time.perf_counter() - calibrating
     state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l,
-                              pending_rounds(specs[0]), rows.lengths_b, on_tokens,
-                              None if auto is True else auto)
+                              pending_rounds(specs[0], rows, cache_size), rows.lengths_b,
+                              on_tokens, None if auto is True else auto)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)
