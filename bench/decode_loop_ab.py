@@ -9,7 +9,8 @@ Each side runs in its own process from its own tree (a `git worktree` of the bas
 embedded pair, greedy: AR at batch 1 and 8, JetFlow at budgets 16 / 64 / 256 (batch 1), 128 new
 tokens from 4 HumanEval prompts; a cell's time is the median over `--repeats` alternations.
 With `--serve`, each side's own `bench/serve_load.py` runs instead (its server, AR and JetFlow
-at budget 64, 8 slots, `--requests` greedy streamed completions at 8 clients and at 1).
+at budget 64, 8 slots, `--requests` greedy streamed completions of 64 tokens at 8 clients
+and at 1).
 Prints a table and writes bench/results/decode_loop_ab.json (with --serve: serve_load_ab.json).
 """
 
@@ -71,7 +72,8 @@ def serve_cells(tree: str, requests: int) -> dict:
   for method in ("ar", "jetflow"):
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
       done = subprocess.run([sys.executable, "bench/serve_load.py", "--method", method,
-                             "--budget", "64", "--requests", str(requests), "--out", out.name],
+                             "--budget", "64", "--requests", str(requests), "--max-tokens", "64",
+                             "--out", out.name],
                             capture_output=True, text=True, cwd=tree)
       if done.returncode:
         sys.exit(f"{tree} serve_load failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

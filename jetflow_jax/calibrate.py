@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from jetflow_jax import cli
+from jetflow_jax import cli, compile_cache
 from jetflow_jax.engine.budgets import cost_tables_path, step_seconds
 from jetflow_jax.engine.flags import add_engine_flags, check_engine_flags, engine_from_flags
 from jetflow_jax.errors import InputError
@@ -30,6 +30,7 @@ def main(argv=None) -> None:
 
   def calibrate():
     check_engine_flags(args)
+    compile_cache.enable()  # what it compiles, a server with the same flags loads from disk
     if args.budget != "auto":
       raise InputError("calibrate measures the budgets of --budget auto; leave --budget out")
     engine = engine_from_flags(args, pair_from_flags(args))

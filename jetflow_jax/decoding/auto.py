@@ -33,6 +33,9 @@ PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between
 STREAM_INTERVAL_S = 0.05
 
 _seconds: dict = {}  # measured round times by (specs, shapes)
+# What a probe from AR cost, flush of the held-back context included, by shapes: the
+# flush is not in the round times, and spacing probes by the round alone probed too often.
+_probe_seconds: dict = {}
 
 
 def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
@@ -88,9 +91,11 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
   (0: AR rounds commit their own). Returns (state, the budget of every round).
   """
   rows = len(prompt_lengths_b)
+  probe_key = (tuple(ladder), tuple(seconds_l), rows)  # the round times stand for the shapes
   cheapest_tree = float(np.min(seconds_l[1:])) if len(ladder) > 1 else float(seconds_l[0])
-  model = AcceptanceModel(ladder, rows, prior_tau(ladder), explore_every=max(
-      8, math.ceil(cheapest_tree / (PROBE_SHARE * seconds_l[0]))))
+  spacing = lambda probe_s: max(8, math.ceil(probe_s / (PROBE_SHARE * seconds_l[0])))
+  model = AcceptanceModel(ladder, rows, prior_tau(ladder), explore_every=spacing(
+      max(cheapest_tree, _probe_seconds.get(probe_key, 0.0))))
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
   budgets: list[int] = []
   done_b, rounds_b = to_host((state.done_b, state.rounds_b))
@@ -108,12 +113,17 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
     budget = ladder[index]
+    probing = schedule is None and budget > 1 and model.probe_due(live_b)
+    began = time.perf_counter()
     if pending and (held == pending or (budget > 1 and (held or not flushed))):
       state, held, flushed = flush(state), 0, True
     if budget == 1 and pending:
       runs = min(runs, pending - held)
     state = advance_l[index](state, max(runs, 1))
     done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))
+    if probing:  # later probes (of this and later runs of these shapes) wait for what it cost
+      _probe_seconds[probe_key] = time.perf_counter() - began
+      model.explore_every = max(model.explore_every, spacing(_probe_seconds[probe_key]))
     ran_b = new_rounds_b - rounds_b
     if budget > 1:  # any drafting round predicts every budget of the ladder
       committed_br, predicted_bl = to_host((state.committed_br, state.predicted_bl))

@@ -112,11 +112,12 @@ PENDING_ROUNDS = 256
 
 def pending_rounds(spec: RoundSpec, rows: Rows, capacity: int) -> int:
   """How many AR rounds in a row may keep their taps back from the drafter, for the loop that
-  chooses budgets (its AR runs go back to the host this seldom at least; never more than a row
-  can run); 0 otherwise."""
+  chooses budgets (its AR runs go back to the host this seldom at least; not many more than a
+  row can run, from the shapes alone: a compiled loop is reused for any prompt of its bucket);
+  0 otherwise."""
   if not (spec.ladder and spec.drafter.tap_layers):
     return 0
-  return max(1, min(PENDING_ROUNDS, capacity - int(np.min(rows.lengths_b))))
+  return max(1, min(PENDING_ROUNDS, capacity - rows.prompt_bt.shape[1]))
 
 
 class CompileCache:
