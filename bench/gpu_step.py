@@ -12,8 +12,11 @@ or MISS:
   - verify of 256 nodes at most 1.25x an AR step;
   - head forward at most 8% of an AR step;
   - Pallas tree attention at least as fast as XLA at every N (the worst N is shown).
-Any flag of step_costs.py can follow (e.g. `--lengths 4096 --repeats 20`); with
-`--compile-cache DIR` a rerun skips most of the compiling.
+Every piece also gets the bytes and FLOPs it must move and the floor they imply on this device
+(`jetflow_jax.roofline`), and measured / floor. Any flag of step_costs.py can follow (e.g.
+`--lengths 4096,32768 --batch 8 --repeats 20`; `--floor-only --device-kind "NVIDIA H200"`
+prints the floors without a GPU); with `--compile-cache DIR` a rerun skips most of the
+compiling. `bench/gpu_run.sh` runs it with the rest of the device checks.
 """
 
 import sys
