@@ -5,8 +5,8 @@
 
 `python -m jetflow_jax.bench` times its cells one after another, so on a noisy machine a
 cell's luck moves its ratio by 10-20%; here every pass runs each cell over the whole prompt
-set in turn (AR, each fixed budget, auto), `--repeats` passes, and each cell's tokens/s is
-its median. Greedy, 128 new tokens, the JetFlow head, auto up to the largest fixed budget.
+set in turn (AR, each fixed budget, auto; the order rotated from pass to pass, so each cell
+runs first, second, ...), `--repeats` passes, and each cell's tokens/s is its median. Greedy, 128 new tokens, the JetFlow head, auto up to the largest fixed budget.
 Prints a table per set (auto / AR and auto / the best fixed budget) and writes
 bench/results/auto_budget.json.
 """
@@ -65,8 +65,9 @@ def main() -> None:
       run(prompts[:2], method, budget)
     rates = collections.defaultdict(list)
     chosen = collections.Counter()
-    for _ in tqdm.trange(args.repeats, desc=name):
-      for method, budget in cells:
+    for repeat in tqdm.trange(args.repeats, desc=name):
+      shift = repeat % len(cells)  # each cell takes every place in a pass in turn
+      for method, budget in cells[shift:] + cells[:shift]:
         rate, budgets = run(prompts, method, budget)
         rates[f"{method} {budget}"].append(rate)
         if budget == "auto":
