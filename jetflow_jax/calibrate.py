@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 
 from jetflow_jax import cli, compile_cache
-from jetflow_jax.engine.budgets import cost_tables_path, step_seconds
+from jetflow_jax.decoding.budget import cost_tables_path
+from jetflow_jax.engine.budgets import step_seconds
 from jetflow_jax.engine.flags import add_engine_flags, check_engine_flags, engine_from_flags
 from jetflow_jax.errors import InputError
 from jetflow_jax.pair import add_model_flags, pair_from_flags

@@ -12,6 +12,10 @@ import pytest
 import jetflow_jax
 from jetflow_jax import calibrate
 from jetflow_jax.decoding import TreeShape, decode_prompts
+from jetflow_jax.decoding import auto
+from jetflow_jax.decoding.auto import auto_specs
+from jetflow_jax.decoding.loop import PENDING_ROUNDS, pending_rounds
+from jetflow_jax.decoding.round import RoundSpec
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.engine import Orchestrator, Request, budgets, make_engine
 from jetflow_jax.engine.budgets import step_seconds
@@ -21,7 +25,7 @@ from test_speculative import (PROMPTS, SAMPLES, ar_greedy, assert_matches, exact
                               head_config, small_target, target, trained_head)  # noqa: F401
 
 
-def test_greedy_equals_ar_whatever_the_budgets(target, trained_head):
+def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, monkeypatch):
   config, params = target
   head, head_params = trained_head
   reference = ar_greedy(config, params, PROMPTS, 24)
@@ -32,11 +36,24 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head):
                             tree_shape=TreeShape("top_n", 16, 3), stop_tokens=(), auto=schedule)
     assert result.tokens == reference
     assert set(result.budgets) == set(schedule)
-  chosen = jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS, 24,
-                                            budget="auto", max_budget=16, top_k=3,
-                                            stop_tokens=())
+  path = tmp_path / "costs.json"
+  monkeypatch.setenv("JETFLOW_COST_TABLES", str(path))
+  choose = lambda: jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS,
+                                                    24, budget="auto", max_budget=16, top_k=3,
+                                                    stop_tokens=())
+  chosen = choose()
   assert chosen.tokens == reference
   assert len(chosen.budgets) == len(chosen.committed_per_round[0]) and chosen.calibrate_s > 0
+  # The next process reads the round times from the file: flat ones there pick the largest tree.
+  tables = json.loads(path.read_text())
+  (table,) = tables["tables"]
+  assert table["key"]["loop"]["ladder"] == [1, 4, 8, 16]
+  table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}
+  path.write_text(json.dumps(tables))
+  monkeypatch.setattr(auto, "_seconds", {})
+  flat = choose()
+  assert flat.tokens == reference and flat.calibrate_s < chosen.calibrate_s
+  assert flat.budgets.count(16) > len(flat.budgets) / 2
 
 
 def test_sampling_follows_the_target_when_budgets_change(small_target):
@@ -106,3 +123,14 @@ def test_calibrate_cli_keeps_the_table_a_server_reads(tmp_path, monkeypatch, cap
   with pytest.raises(SystemExit) as exit_:
     calibrate.main(flags + ["--budget", "16"])
   assert exit_.value.code == 2 and "leave --budget out" in capsys.readouterr().err
+
+
+def test_held_back_rounds_cover_what_a_row_can_run(target):
+  """A prompt that fills its bucket's cache still keeps back a long AR run (it once kept one
+  round and flushed after each: auto 2.4x slower than AR on such prompts)."""
+  config, _ = target
+  spec = auto_specs(RoundSpec(config=config, drafter=HeadDrafter(head_config(config)),
+                              tree_shape=TreeShape("top_n", 16, 3)))[0]
+  for width, capacity in ((512, 512), (256, 512), (32, 64), (16, 64)):
+    can_run = capacity - (width // 2 + 1)  # the shortest prompt padded to this width
+    assert pending_rounds(spec, width, capacity) >= min(PENDING_ROUNDS, can_run)

@@ -6,7 +6,8 @@ The host decides between short runs of the device loop: one round at a time whil
 (each round's prediction and acceptance update the model), longer runs of AR rounds while they
 do not (no draft runs then, so nothing new is learnt), with a tree probe now and then whose
 cost is held to a small share of the AR time. Every budget's round is one compiled variant;
-its time is measured once per shape (a few rounds on copies of the state) and kept.
+its time is measured once per shape (a few rounds on copies of the state) and kept, in this
+process and in the cost tables file (`budget.cost_tables_path()`) for the next.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.budget import AcceptanceModel, best_budget, budget_ladder
+from jetflow_jax.decoding.budget import (AcceptanceModel, best_budget, budget_ladder, cost_key,
+                                         cost_tables_path, kept_seconds)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.decoding.state import DecodeState
 from jetflow_jax.distributed import to_host
@@ -32,7 +34,7 @@ AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two dec
 PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between probes
 STREAM_INTERVAL_S = 0.05
 
-_seconds: dict = {}  # measured round times by (specs, shapes)
+_seconds: dict = {}  # round times by (specs, shapes), measured or read in this process
 # What a probe from AR cost, flush of the held-back context included, by shapes: the
 # flush is not in the round times, and spacing probes by the round alone probed too often.
 _probe_seconds: dict = {}
@@ -58,13 +60,29 @@ def prior_tau(ladder: Sequence[int]) -> np.ndarray:
   return np.minimum(ladder, 1.0 + 0.5 * np.log2(ladder))
 
 
+def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_width: int,
+                  capacity: int) -> dict:
+  """What the device loop's round times depend on: the device, the model's and head's shapes,
+  the rows, and the loop's tree, ladder, prompt bucket, cache and kernel."""
+  spec = specs[-1]  # the largest tree
+  key = cost_key(jax.devices()[0].device_kind, spec.config, getattr(spec.drafter, "config", None),
+                 rows, dtype)
+  key["loop"] = {"tree": spec.tree_shape.kind, "top_k": spec.tree_shape.top_k,
+                 "ladder": list(spec.ladder), "prompt_width": prompt_width, "capacity": capacity,
+                 "attention": spec.impl, "sampled": spec.sampled, "filtered": spec.filtered,
+                 "logprobs": spec.logprobs,
+                 "mesh": None if spec.mesh is None else str(spec.mesh.mesh.shape)}
+  return key
+
+
 def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], state: DecodeState,
-                  *shapes) -> np.ndarray:
-  """Seconds of a round at each spec's budget on this device and these shapes (measured on
-  copies of `state` the first time, then kept)."""
-  key = (tuple(specs), jax.tree.structure(state),
-         tuple(x.shape for x in jax.tree.leaves(state)), shapes)
-  if key not in _seconds:
+                  prompt_width: int, capacity: int) -> np.ndarray:
+  """Seconds of a round at each spec's budget on this device and these shapes: measured on
+  copies of `state` the first time, and kept (in this process, and in the cost tables file
+  `budget.cost_tables_path()` for the next)."""
+  memo = (tuple(specs), jax.tree.structure(state),
+          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity)
+  if memo not in _seconds:
     before = to_host(state.rounds_b)
 
     def timed(advance) -> float:
@@ -74,11 +92,16 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], sta
       elapsed = time.perf_counter() - start
       return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1)
 
-    for advance in advance_l:
-      timed(advance)  # warm-up
-    _seconds[key] = np.array([min(timed(advance) for _ in range(TIMED_RUNS))
-                              for advance in advance_l])
-  return _seconds[key]
+    def measure() -> np.ndarray:
+      for advance in advance_l:
+        timed(advance)  # warm-up
+      return np.array([min(timed(advance) for _ in range(TIMED_RUNS)) for advance in advance_l])
+
+    rows = state.lengths_b.shape[0]
+    key = loop_cost_key(specs, rows, str(state.cache.k[0].dtype), prompt_width, capacity)
+    _seconds[memo], _ = kept_seconds(key, specs[-1].ladder, rows, measure, cost_tables_path(),
+                                     "seconds of one round of the device loop")
+  return _seconds[memo]
 
 
 def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,

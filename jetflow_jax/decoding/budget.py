@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from jetflow_jax.tree import DraftTree, build_tree, build_tree_accum
 
 LADDER = (1, 4, 8, 16, 32, 64, 128, 256)
 AR_METHOD = "ar"
+COST_TABLES_ENV = "JETFLOW_COST_TABLES"
 
 
 def budget_ladder(max_budget: int, ladder: Sequence[int] = LADDER) -> tuple[int, ...]:
@@ -212,25 +214,67 @@ class CostTable:
                source=numbers(record.get("source", {}), str), notes=record.get("notes", ""))
 
 
+def cost_tables_path() -> str | None:
+  """Where measured round and step times are kept: $JETFLOW_COST_TABLES (empty: nowhere), by
+  default ~/.cache/jetflow_jax/cost_tables.json."""
+  path = os.environ.get(COST_TABLES_ENV)
+  if path is None:
+    return os.path.join(os.path.expanduser("~"), ".cache", "jetflow_jax", "cost_tables.json")
+  return path or None
+
+
+def _tables(path: str) -> list[dict]:
+  """The tables in the JSON file at `path`: none where it is missing or unreadable (a cache: a
+  damaged one is measured again and rewritten)."""
+  try:
+    with open(path) as f:
+      tables = json.load(f)["tables"]
+    return [t for t in tables if isinstance(t, dict) and "key" in t]
+  except (OSError, ValueError, KeyError, TypeError):
+    return []
+
+
 def save_cost_table(path: str, table: CostTable) -> None:
   """Writes `table` into the JSON file at `path`, replacing a table with the same key."""
-  tables = []
-  if os.path.exists(path):
-    with open(path) as f:
-      tables = [t for t in json.load(f)["tables"] if t["key"] != table.key]
-  tmp = path + ".tmp"
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tables = [t for t in _tables(path) if t["key"] != table.key]
+  tmp = f"{path}.{os.getpid()}.tmp"  # two processes saving at once never share one
   with open(tmp, "w") as f:
     json.dump({"tables": tables + [table.to_json()]}, f, indent=1)
   os.replace(tmp, path)  # a reader never sees half a file
 
 
 def load_cost_table(path: str, key: dict) -> CostTable | None:
-  """The table for `key` in the JSON file at `path`, or None (no file, no such key)."""
-  if not os.path.exists(path):
+  """The table for `key` in the JSON file at `path`, or None (no file, no such key, a damaged
+  file or table)."""
+  record = next((t for t in _tables(path) if t["key"] == key), None)
+  try:
+    return None if record is None else CostTable.from_json(record)
+  except (InputError, ValueError, KeyError, TypeError):
     return None
-  with open(path) as f:
-    record = next((t for t in json.load(f)["tables"] if t["key"] == key), None)
-  return None if record is None else CostTable.from_json(record)
+
+
+def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[[], np.ndarray],
+                 path: str | None, notes: str = "",
+                 remeasure: bool = False) -> tuple[np.ndarray, float]:
+  """Seconds of a round (or step) at each ladder budget, and how long measuring them took (0
+  when read): from the cost table at `path` when it has `key` (unless `remeasure`; a key holds
+  its ladder, so its table has every budget), else `measure()` and saved there (`path` None:
+  kept nowhere)."""
+  table = load_cost_table(path, key) if path and not remeasure else None
+  if table is not None:
+    return table.round_seconds("tree", ladder, rows), 0.0
+  start = time.perf_counter()
+  seconds_l = np.asarray(measure(), np.float64)
+  measured_s = time.perf_counter() - start
+  if path:
+    by_budget = {n: (float(s),) for n, s in zip(ladder, seconds_l)}
+    trees = [n for n in ladder if n > 1]
+    save_cost_table(path, CostTable(
+        key=key, rows=(rows,), notes=notes,
+        seconds={AR_METHOD: {1: by_budget[1]}, "tree": {n: by_budget[n] for n in trees}},
+        source={AR_METHOD: {1: ("measured",)}, "tree": {n: ("measured",) for n in trees}}))
+  return seconds_l, measured_s
 
 
 @dataclasses.dataclass(frozen=True)

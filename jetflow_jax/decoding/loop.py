@@ -110,14 +110,17 @@ flush = jax.jit(flush_pending, static_argnames=("drafter",), donate_argnames=("s
 PENDING_ROUNDS = 256
 
 
-def pending_rounds(spec: RoundSpec, rows: Rows, capacity: int) -> int:
+def pending_rounds(spec: RoundSpec, prompt_width: int, capacity: int) -> int:
   """How many AR rounds in a row may keep their taps back from the drafter, for the loop that
-  chooses budgets (its AR runs go back to the host this seldom at least; not many more than a
-  row can run, from the shapes alone: a compiled loop is reused for any prompt of its bucket);
-  0 otherwise."""
+  chooses budgets (its AR runs go back to the host this seldom at least; 0 otherwise).
+
+  From the shapes alone (a compiled loop is reused for any prompt of its bucket): a prompt
+  padded to `prompt_width` is longer than half of it, so its row runs fewer than
+  `capacity - prompt_width // 2` rounds.
+  """
   if not (spec.ladder and spec.drafter.tap_layers):
     return 0
-  return max(1, min(PENDING_ROUNDS, capacity - rows.prompt_bt.shape[1]))
+  return max(1, min(PENDING_ROUNDS, capacity - prompt_width // 2))
 
 
 class CompileCache:
@@ -156,7 +159,8 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   options = dict(compiler_options) or None
   prefill_statics = dict(config=spec.config, drafter=spec.drafter,
                          slots=capacity + spec.drafter.depth + 1, capacity=capacity,
-                         ladder=len(spec.ladder), pending=pending_rounds(spec, rows, capacity),
+                         ladder=len(spec.ladder),
+                         pending=pending_rounds(spec, rows.prompt_bt.shape[1], capacity),
                          sampled=spec.sampled, filtered=spec.filtered, impl=spec.impl,
                          mesh=mesh)
 
@@ -226,12 +230,12 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   state = prefill_fn(target_params, drafter_params, *args)
   if auto:
     calibrating = time.perf_counter()  # on copies of the state; its time is left out below
-    seconds_l = (round_seconds(specs, advance_l, state, rows.prompt_bt.shape, cache_size)
+    seconds_l = (round_seconds(specs, advance_l, state, rows.prompt_bt.shape[1], cache_size)
                  if auto is True else np.ones(len(specs)))  # a given schedule needs no times
     calibrate_s = time.perf_counter() - calibrating
     state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l,
-                              pending_rounds(specs[0], rows, cache_size), rows.lengths_b,
-                              on_tokens, None if auto is True else auto)
+                              pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size),
+                              rows.lengths_b, on_tokens, None if auto is True else auto)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import time
 from typing import Sequence
 
@@ -23,22 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.decoding.auto import PROBE_SHARE, prior_tau
-from jetflow_jax.decoding.budget import (AR_METHOD, AcceptanceModel, CostTable, best_budget,
-                                         cost_key, load_cost_table, save_cost_table)
+from jetflow_jax.decoding.budget import (AcceptanceModel, best_budget, cost_key,
+                                         cost_tables_path, kept_seconds)
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 
 TIMED_STEPS = 3  # after one untimed step; the fastest counts (a busy machine only adds time)
-COST_TABLES_ENV = "JETFLOW_COST_TABLES"
-
-
-def cost_tables_path() -> str | None:
-  """Where measured step times are kept: $JETFLOW_COST_TABLES (empty: nowhere), by default
-  ~/.cache/jetflow_jax/cost_tables.json."""
-  path = os.environ.get(COST_TABLES_ENV)
-  if path is None:
-    return os.path.join(os.path.expanduser("~"), ".cache", "jetflow_jax", "cost_tables.json")
-  return path or None
 
 
 def engine_cost_key(engine: Engine) -> dict:
@@ -83,26 +72,13 @@ def step_seconds(engine: Engine, path: str | None = None, log=None,
   """The engine's step times per ladder budget: from the cost table at `path` (default
   `cost_tables_path()`) when it has this engine's key (unless `remeasure`), else measured now
   and saved there."""
-  path = cost_tables_path() if path is None else path
-  key = engine_cost_key(engine)
-  table = load_cost_table(path, key) if path and not remeasure else None
-  if table is not None:  # its key holds the ladder: it has every budget
-    return table.round_seconds("tree", engine.ladder, engine.num_slots)
-  start = time.perf_counter()
-  seconds = measure_step_seconds(engine)
-  if log is not None:
-    log(f"budget costs measured in {time.perf_counter() - start:.1f} s: " + ", ".join(
+  seconds, measured_s = kept_seconds(
+      engine_cost_key(engine), engine.ladder, engine.num_slots,
+      lambda: measure_step_seconds(engine), cost_tables_path() if path is None else path,
+      "seconds of one engine step (rounds_per_step rounds), every slot busy", remeasure)
+  if measured_s and log is not None:
+    log(f"budget costs measured in {measured_s:.1f} s: " + ", ".join(
         f"{'AR' if n == 1 else n} {1e3 * s:.1f} ms" for n, s in zip(engine.ladder, seconds)))
-  if path:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    by_budget = {n: (float(s),) for n, s in zip(engine.ladder, seconds)}
-    save_cost_table(path, CostTable(
-        key=key, rows=(engine.num_slots,),
-        seconds={AR_METHOD: {1: by_budget[1]},
-                 "tree": {n: s for n, s in by_budget.items() if n > 1}},
-        source={AR_METHOD: {1: ("measured",)},
-                "tree": {n: ("measured",) for n in by_budget if n > 1}},
-        notes="seconds of one engine step (rounds_per_step rounds), every slot busy"))
   return seconds
 
 
