@@ -175,7 +175,7 @@ def main(argv=None) -> None:
                      identical_to_ar=ar.tokens == result.tokens)
     if args.json:
       print(json.dumps(summary))
-    else:
+    elif distributed.is_main_process():  # its stderr too: one summary for the job
       chosen = collections.Counter(result.budgets)
       budgets = ("budget auto: " + ", ".join(f"{'AR' if n == 1 else n} x{k}"
                                              for n, k in sorted(chosen.items())) + "; "

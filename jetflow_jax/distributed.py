@@ -136,6 +136,19 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def agreed(value: np.ndarray) -> np.ndarray:
+  """Process 0's `value` (a NumPy array, the same shape on every process) on every process.
+
+  A host decision taken from a clock (how long a round took, whether to stream now) differs
+  between processes; if they then dispatch different programs or different round counts, their
+  collectives no longer pair up and the job hangs. Such decisions go through here.
+  """
+  if not is_multiprocess():
+    return value
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+
+
 def to_host(tree):
   """A pytree of arrays as NumPy arrays: a process-spanning one gathered (the same on every
   process), one on this process's devices alone (a local mesh) read as it is."""

@@ -25,7 +25,7 @@ from jetflow_jax.decoding.budget import (AcceptanceModel, best_budget, budget_la
                                          cost_tables_path, kept_seconds)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.decoding.state import DecodeState
-from jetflow_jax.distributed import to_host
+from jetflow_jax.distributed import agreed, to_host
 from jetflow_jax.errors import InputError
 
 TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
@@ -145,7 +145,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
     state = advance_l[index](state, max(runs, 1))
     done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))
     if probing:  # later probes (of this and later runs of these shapes) wait for what it cost
-      _probe_seconds[probe_key] = time.perf_counter() - began
+      _probe_seconds[probe_key] = float(agreed(np.float32(time.perf_counter() - began)))
       model.explore_every = max(model.explore_every, spacing(_probe_seconds[probe_key]))
     ran_b = new_rounds_b - rounds_b
     if budget > 1:  # any drafting round predicts every budget of the ladder
@@ -158,8 +158,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
     budgets += [budget] * int(ran_b.max())
     held = held + int(ran_b.max()) if budget == 1 else 0
     rounds_b = new_rounds_b
-    if on_tokens is not None and (done_b.all()
-                                  or time.perf_counter() - streamed >= STREAM_INTERVAL_S):
+    if on_tokens is not None and (done_b.all() or agreed(
+        np.int32(time.perf_counter() - streamed >= STREAM_INTERVAL_S))):
       tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
       on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
       streamed = time.perf_counter()

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetflow_jax import distributed
 from jetflow_jax.errors import InputError
 from jetflow_jax.tree import DraftTree, build_tree, build_tree_accum
 
@@ -260,14 +261,18 @@ def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[
   """Seconds of a round (or step) at each ladder budget, and how long measuring them took (0
   when read): from the cost table at `path` when it has `key` (unless `remeasure`; a key holds
   its ladder, so its table has every budget), else `measure()` and saved there (`path` None:
-  kept nowhere)."""
-  table = load_cost_table(path, key) if path and not remeasure else None
-  if table is not None:
-    return table.round_seconds("tree", ladder, rows), 0.0
+  kept nowhere). In a multi-process job process 0 reads, every process measures (the timed
+  programs run on all), and all take process 0's times, which it saves."""
+  main = distributed.is_main_process()
+  table = load_cost_table(path, key) if path and main and not remeasure else None
+  known_l = distributed.agreed(np.full(len(ladder), np.nan, np.float32) if table is None else
+                               table.round_seconds("tree", ladder, rows).astype(np.float32))
+  if not np.isnan(known_l).any():
+    return known_l.astype(np.float64), 0.0
   start = time.perf_counter()
-  seconds_l = np.asarray(measure(), np.float64)
+  seconds_l = distributed.agreed(np.asarray(measure(), np.float32)).astype(np.float64)
   measured_s = time.perf_counter() - start
-  if path:
+  if path and main:
     by_budget = {n: (float(s),) for n, s in zip(ladder, seconds_l)}
     trees = [n for n in ladder if n > 1]
     save_cost_table(path, CostTable(

@@ -22,7 +22,7 @@ from jetflow_jax.decoding.prefill import prefill
 from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round, flush_pending
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
                                         stop_rows, stop_tokens_for)
-from jetflow_jax.distributed import to_host
+from jetflow_jax.distributed import agreed, to_host
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh
@@ -32,9 +32,8 @@ from jetflow_jax.sampling import Greedy, RowSampling, Sampler, sampling_flags
 STREAM_INTERVAL_S = 0.1  # streamed text arrives at least this often once chunks have grown
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def decode(target_params, drafter_params, state: DecodeState, max_rounds, *,
-           spec: RoundSpec) -> DecodeState:
+def decode_rounds(target_params, drafter_params, state: DecodeState, max_rounds, *,
+                  spec: RoundSpec) -> DecodeState:
   """Up to `max_rounds` rounds (traced) in one `lax.while_loop`, until every row is done."""
 
   def cond(carry):
@@ -46,6 +45,9 @@ def decode(target_params, drafter_params, state: DecodeState, max_rounds, *,
     return count + 1, decode_round(target_params, drafter_params, s, spec)
 
   return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+
+decode = jax.jit(decode_rounds, static_argnames=("spec",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -104,9 +106,6 @@ def batch_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size
               stop_tokens_bk=stop_rows([stop_tokens] * batch))
 
 
-flush = jax.jit(flush_pending, static_argnames=("drafter",), donate_argnames=("state",))
-
-
 PENDING_ROUNDS = 256
 
 
@@ -141,6 +140,20 @@ class CompileCache:
 compiled = CompileCache()
 
 
+def compile_flush(drafter_params, prefill_fn, drafter: Drafter, mesh: DecodeMesh | None):
+  """`flush_pending` compiled for the state `prefill_fn` makes (kept with it), the state coming
+  out where the prefill put it (over a mesh, the rounds' programs take it only there)."""
+  shardings = None if mesh is None else prefill_fn.output_shardings
+
+  def build():
+    flush = jax.jit(flush_pending, static_argnames=("drafter",), donate_argnames=("state",),
+                    out_shardings=shardings)
+    return flush.lower(abstract(drafter_params, KEEP if mesh is not None else None),
+                       abstract(prefill_fn.out_info, shardings), drafter=drafter).compile()
+
+  return compiled.get(("flush", id(prefill_fn), drafter), build)
+
+
 def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, capacity: int,
                    compiler_options: tuple[tuple[str, Any], ...] = ()):
   """Ahead-of-time compiled (prefill, decode) for these shapes; kept for reuse.
@@ -171,8 +184,16 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
 
   # One prefill for every tree shape (the budgets of auto share it).
   prefill_fn, state = compiled.get(shapes + tuple(prefill_statics.items()), build_prefill)
-  decode_fn = compiled.get(shapes + (spec,), lambda: decode.lower(
-      *params, state, int_scalar, spec=spec).compile(options))
+
+  def build_decode():
+    # Over a mesh the state comes out where it went in: a loop run in several calls (streaming,
+    # auto) feeds each call's state to the next, and a compiled program takes it only there.
+    program = decode if mesh is None else jax.jit(
+        decode_rounds, static_argnames=("spec",), donate_argnames=("state",),
+        out_shardings=jax.tree.map(lambda x: x.sharding, state))
+    return program.lower(*params, state, int_scalar, spec=spec).compile(options)
+
+  decode_fn = compiled.get(shapes + (spec,), build_decode)
   return prefill_fn, decode_fn
 
 
@@ -219,10 +240,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                for _, decode_fn in compiled_l]
   prefill_fn = compiled_l[0][0]
   if auto:
-    state_shapes = abstract(prefill_fn.out_info, None if mesh is None else
-                            prefill_fn.output_shardings)
-    flush_fn = functools.partial(flush.lower(drafter_params, state_shapes,
-                                             drafter=drafter).compile(), drafter_params)
+    flush_fn = functools.partial(compile_flush(drafter_params, prefill_fn, drafter, mesh),
+                                 drafter_params)
     compile_s = time.perf_counter() - start
 
   calibrate_s, budgets = 0.0, []
@@ -279,6 +298,6 @@ def run_loop(state: DecodeState, advance: Callable, max_rounds: int, prompt_leng
     if all_done:
       return state
     now = time.perf_counter()
-    if now - last < STREAM_INTERVAL_S:
+    if agreed(np.int32(now - last < STREAM_INTERVAL_S)):
       rounds = min(2 * rounds, max_rounds)
     last = now
