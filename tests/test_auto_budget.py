@@ -62,8 +62,9 @@ def test_sampling_follows_the_target_when_budgets_change(small_target):
   head = head_config(config, block_size=4)
   result = decode_prompts(params, config, HeadDrafter(head), init_head_params(head,
                                                                               jax.random.key(5)),
-                          [prompt] * SAMPLES, 3, tree_shape=TreeShape("top_n", 8, 3),
-                          sampler=sampler, stop_tokens=(), auto=(4, 1))
+                          [prompt] * SAMPLES, 3, tree_shape=TreeShape("top_n", 4, 3),
+                          sampler=sampler, stop_tokens=(), auto=(4, 1),
+                          cache_size=8)  # 60,000 rows: the smallest cache and prompt bucket
   assert result.budgets[:2] == [4, 1]
   assert_matches(np.array(result.tokens), exact_first_three(model, np.array(prompt), sampler))
 

@@ -267,8 +267,8 @@ def test_sampling_matches_the_target_distribution(small_target, sampler, drafter
   samples = []
   for seed in range(2):  # rows of one batch draw independently; so do seeds
     result = decode_prompts(params, config, drafter, drafter_params, [prompt] * batch, 3,
-                                  tree_shape=TreeShape("top_n", 8, 3), sampler=sampler,
-                                  seed=seed, stop_tokens=())
+                            tree_shape=TreeShape("top_n", 8, 3), sampler=sampler,
+                            seed=seed, stop_tokens=(), cache_size=8)  # the smallest that fits
     samples.append(np.array(result.tokens))
   samples = np.concatenate(samples)
   assert samples.shape == (SAMPLES, 3)
