@@ -168,6 +168,9 @@ class DecoderLayer(nn.Module):
     return x_btd, kv
 
 
+_float32_out = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+
+
 class Qwen3(nn.Module):
   """Embedding, decoder stack, final norm; `logits` applies the (tied or untied) LM head."""
 
@@ -185,7 +188,8 @@ class Qwen3(nn.Module):
                    for i in range(c.num_hidden_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if not c.tie_word_embeddings:
-      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype,
+                              dot_general=_float32_out)
 
   def __call__(self, tokens_bt, positions_bt, cache: KVCache | None, cache_index_b, mask_bts,
                tap_layers: Sequence[int] = (), tree_mask_btt=None):
@@ -213,10 +217,14 @@ class Qwen3(nn.Module):
     return self.embed_tokens(tokens_bt)
 
   def logits(self, hidden_btd):
-    """float32 logits from final-normed hidden states."""
+    """float32 logits from final-normed hidden states: one matmul in the params' dtype that
+    accumulates into float32 and returns it (bf16 logits would be rounded to ~3 digits, and
+    casting them is one more pass over `[..., vocab]`)."""
     if self.config.tie_word_embeddings:
-      return self.embed_tokens.attend(hidden_btd).astype(jnp.float32)
-    return self.lm_head(hidden_btd).astype(jnp.float32)
+      return jnp.einsum("...d,vd->...v", hidden_btd.astype(self.dtype),
+                        self.embed_tokens.embedding.astype(self.dtype),
+                        preferred_element_type=jnp.float32)
+    return self.lm_head(hidden_btd)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))

@@ -85,3 +85,26 @@ def test_rope_theta_read_from_either_place(tmp_path):
   assert Qwen3Config.from_hf_dict({**base, "rope_theta": 123.0}).rope_theta == 123.0
   assert Qwen3Config.from_hf_dict(
       {**base, "rope_parameters": {"rope_theta": 456.0, "rope_type": "default"}}).rope_theta == 456.0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_lm_head_accumulates_and_returns_float32(tied):
+  """Logits of bf16 params equal float64 NumPy over the same bf16 values to float32 accuracy:
+  one matmul accumulating in float32, no rounding of the logits to bf16 (which at |logit| ~ 20
+  errs by up to ~0.06)."""
+  import jax
+  import jax.numpy as jnp
+
+  from jetflow_jax.config import Qwen3Config
+  from jetflow_jax.model import init_params
+  config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, tie_word_embeddings=tied)
+  params = init_params(config, jax.random.key(0), jnp.bfloat16)
+  hidden = (jax.random.normal(jax.random.key(1), (2, 3, 64)) * 20).astype(jnp.bfloat16)
+  logits = lm_logits(params, config, hidden)
+  assert logits.dtype == jnp.float32
+  kernel = params["embed_tokens"]["embedding"].T if tied else params["lm_head"]["kernel"]
+  want = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+  assert np.abs(want).max() > 10  # large enough that bf16 logits would miss the bound below
+  np.testing.assert_allclose(np.asarray(logits), want, atol=2e-4 * np.abs(want).max())
