@@ -3,6 +3,9 @@ chunks, AR steps, verify trees, the draft head's block) runs the tree kernel, an
 XLA path ("xla", the CPU path) gives; lowered for CUDA and TPU at Qwen3-8B shapes, nothing of the
 XLA attention loop is left."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,10 +13,14 @@ import pytest
 
 import jetflow_jax
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.decoding.prefill import PREFILL_CHUNK, prefill_forward
+from jetflow_jax.decoding.loop import batch_rows, decode_rounds
+from jetflow_jax.decoding.prefill import PREFILL_CHUNK, prefill, prefill_forward
+from jetflow_jax.decoding.round import RoundSpec, TreeShape
+from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.head import draft_block, init_head_cache, init_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, abstract_params, forward
+from jetflow_jax.sampling import Greedy
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "tpu_custom_call"
@@ -159,3 +166,35 @@ def test_draft_head_block_lowers_to_the_kernel_at_qwen3_8b_shapes(monkeypatch, i
   text = lower(monkeypatch, impl, fn, head_params, abstract_params(QWEN3_8B_LAYER, jnp.bfloat16),
                cache, abstract((BATCH,), jnp.int32), abstract((BATCH,), jnp.int32))
   assert kernel_calls(impl, text) == 1
+
+
+@pytest.mark.parametrize("impl", ["pallas", "pallas_tpu"])
+def test_a_bf16_round_copies_no_weight_or_cache_to_float32(monkeypatch, impl):
+  """A whole JetFlow round of bf16 params lowered for the accelerator: activations go to float32
+  where the numerics ask (norms, softmax), but no weight matrix and no cache is ever converted,
+  so none is read twice or held twice (on CPU, XLA upcasts bf16 dots itself; a GPU/TPU does
+  not)."""
+  config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64)
+  head = HeadConfig.for_target(config, num_layers=1, block_size=8, mask_token_id=511,
+                               target_layer_ids=(0, 1))
+  target_abs = abstract_params(config, jnp.bfloat16)
+  head_abs = jax.eval_shape(lambda: init_head_params(head, jax.random.key(0), jnp.bfloat16))
+  drafter = HeadDrafter(head, jnp.bfloat16, impl)
+  spec = RoundSpec(config=config, drafter=drafter, tree_shape=TreeShape("top_n", 16, 4),
+                   impl=impl, sampled=False, filtered=False)
+  rows = batch_rows([[1] * 31], 16, 64, Greedy(), 0, ())
+  state = prefill.lower(target_abs, head_abs, *jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rows.args()), config=config,
+      drafter=drafter, slots=64 + head.depth + 1, capacity=64, sampled=False,
+      filtered=False).out_info
+  text = lower(monkeypatch, impl, functools.partial(decode_rounds, spec=spec), target_abs,
+               head_abs, state, abstract((), jnp.int32))
+  converts = re.findall(r"stablehlo.convert %[\w#]+ : \(tensor<(\w+)xbf16>\) -> "
+                        r"tensor<\w+xf32>", text)
+  assert converts  # activations are upcast: the pattern finds what it looks for
+  shape = lambda x: "x".join(map(str, x.shape))
+  weights = {shape(x) for x in jax.tree.leaves((target_abs, head_abs)) if x.ndim >= 2}
+  caches = {shape(x) for x in jax.tree.leaves((state.cache, state.drafter_state))}
+  assert not (set(converts) & (weights | caches))
