@@ -29,6 +29,7 @@ bound for a real head of the same tau.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -51,6 +52,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params,
                                             depth_distribution_for_tau, expected_tau)
 from jetflow_jax.decoding import TreeShape, decode_prompts, generate
+from jetflow_jax.decoding.auto import auto_specs
 from jetflow_jax.decoding.loop import batch_rows, compile_decode, compiled
 from jetflow_jax.decoding.round import RoundSpec
 from jetflow_jax.decoding.state import default_cache_size
@@ -91,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
   parser.add_argument("--taus", default="4,8,10", help="requested taus, comma-separated")
   parser.add_argument("--budgets", default="64,256", help="tree budgets, comma-separated")
+  parser.add_argument("--auto", action="store_true",
+                      help="also budget auto (each round's budget on the ladder up to the "
+                           "largest of --budgets, chosen from the measured round times)")
   parser.add_argument("--top-k", type=int, default=7, help="candidate children per depth")
   parser.add_argument("--depth", type=int, default=15, help="drafter depth (JetFlow: 15)")
   parser.add_argument("--distribution", choices=("two_point", "geometric"), default="two_point")
@@ -116,6 +121,7 @@ class Plan:
   batches: tuple[int, ...]
   taus: tuple[float, ...]
   budgets: tuple[int, ...]
+  auto: bool
   top_k: int
   depth: int
   distribution: str
@@ -150,8 +156,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
   out = args.out or os.path.join(ROOT, "bench", "results", "gpu", f"e2e_{args.preset}.json")
   return Plan(args.preset, preset.config, preset.dtype, args.attention or preset.attention,
               new_tokens, args.prompt_len, step_costs.parse_ints(args.batches, "--batches"),
-              taus, budgets, args.top_k, args.depth, args.distribution, repeats, args.seed,
-              args.compile_workers, out)
+              taus, budgets, args.auto, args.top_k, args.depth, args.distribution, repeats,
+              args.seed, args.compile_workers, out)
 
 
 def precompile(plan: Plan, target_params, prompts_by_batch, drafter: ControlledDrafter) -> float:
@@ -170,9 +176,13 @@ def precompile(plan: Plan, target_params, prompts_by_batch, drafter: ControlledD
     params = controlled_params(reference, depth_distribution_for_tau(1.0, plan.depth))
     first.append(functools.partial(compile_decode, target_params, None, rows, ar_spec,
                                    cache_size))
-    for i, budget in enumerate(plan.budgets):
-      spec = RoundSpec(config=plan.config, drafter=drafter, impl=plan.attention,
+    specs = [RoundSpec(config=plan.config, drafter=drafter, impl=plan.attention,
                        tree_shape=TreeShape("top_n", budget, plan.top_k), **greedy)
+             for budget in plan.budgets]
+    if plan.auto:  # one round per ladder budget, each predicting every budget
+      specs += auto_specs(dataclasses.replace(specs[0], tree_shape=TreeShape(
+          "top_n", max(plan.budgets), plan.top_k)))
+    for i, spec in enumerate(specs):
       # The first budget's job compiles the batch's prefill; later ones find it compiled.
       (later if i else first).append(functools.partial(compile_decode, target_params, params,
                                                        rows, spec, cache_size))
@@ -231,16 +241,20 @@ def run(plan: Plan) -> dict:
     rows.append(row_record(ar, ar.tokens, method="ar", batch=batch, budget=1, tau=1.0,
                            expected_tau=1.0))
     reference = [p + t for p, t in zip(prompts, ar.tokens)]
-    for budget in plan.budgets:
+    for budget in plan.budgets + (("auto",) if plan.auto else ()):
       for tau in plan.taus:
         distribution = depth_distribution_for_tau(tau, plan.depth, plan.distribution)
         params = controlled_params(reference, distribution)
+        auto = budget == "auto"
         generation = best_run(plan.repeats, lambda: decode_prompts(
             target_params, plan.config, drafter, params, prompts, plan.new_tokens,
-            tree_shape=TreeShape("top_n", budget, plan.top_k), stop_tokens=(),
-            impl=plan.attention))
+            tree_shape=TreeShape("top_n", max(plan.budgets) if auto else budget, plan.top_k),
+            stop_tokens=(), impl=plan.attention, auto=auto))
+        chosen = ({"rounds_by_budget": dict(collections.Counter(generation.budgets))} if auto
+                  else {})
         rows.append(row_record(generation, ar.tokens, method="jetflow", batch=batch,
-                               budget=budget, tau=tau, expected_tau=expected_tau(distribution)))
+                               budget=budget, tau=tau, expected_tau=expected_tau(distribution),
+                               **chosen))
   ar_speed = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
   for r in rows:
     r["speedup"] = r["tokens_per_s"] / ar_speed[r["batch"]]
@@ -261,7 +275,11 @@ def table(record: dict) -> str:
   lines = ["| batch | method | budget | tau asked | tau measured (full rounds) | tokens/s | "
            "speedup | = AR |", "|---:|---|---:|---:|---:|---:|---:|---|"]
   for r in record["rows"]:
-    lines.append(f"| {r['batch']} | {r['method']} | {r['budget']} | {r['tau']:g} | "
+    budget = r["budget"]
+    if "rounds_by_budget" in r:  # auto: the rounds each budget ran
+      ran = sorted((int(n), k) for n, k in r["rounds_by_budget"].items())
+      budget = "auto (" + ", ".join(f"{'AR' if n == 1 else n} x{k}" for n, k in ran) + ")"
+    lines.append(f"| {r['batch']} | {r['method']} | {budget} | {r['tau']:g} | "
                  f"{r['measured_tau']:.2f} ({r['full_round_tau']:.2f}) | "
                  f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
                  f"{'yes' if r['matches_ar'] else 'NO'} |")

@@ -4,9 +4,11 @@
 # and end-to-end tokens/s against a known tau, Qwen3-8B shapes, random bf16 weights. At most
 # ~8 minutes including compiles (each step has its own timeout); JAX's persistent compilation
 # cache under $CACHE makes a rerun compile little. Logs and JSON go to ${OUT:-bench/results/gpu}.
+# The part "auto" (issue 39: budget auto against AR and N=256, at most 3 more minutes) runs only
+# when named.
 #
-#   bash bench/gpu_run.sh            # everything
-#   PARTS="floor e2e" bash bench/gpu_run.sh
+#   bash bench/gpu_run.sh            # steps batch profile e2e
+#   PARTS="e2e auto" bash bench/gpu_run.sh
 set -u
 OUT=${OUT:-bench/results/gpu}
 CACHE=${CACHE:-/tmp/jetflow_xla_cache}
@@ -37,6 +39,10 @@ for part in $PARTS; do
       timeout 150 python3 bench/gpu_e2e.py --preset qwen3-8b --batches 1,8 --taus 4,8,10 \
         --budgets 64,256 --compile-cache "$CACHE" --out "$OUT/e2e_qwen3-8b_$tag.json" \
         2>&1 | tail -25 ;;
-    *) echo "unknown part $part (steps, batch, profile, e2e)" >&2 ;;
+    auto)  # issue 39 on the device: --budget auto (ladder AR..256) beside AR and N=256, batch 1
+      timeout 180 python3 bench/gpu_e2e.py --preset qwen3-8b --batches 1 --taus 4,10 \
+        --budgets 256 --auto --compile-cache "$CACHE" --out "$OUT/e2e_auto_qwen3-8b_$tag.json" \
+        2>&1 | tail -12 ;;
+    *) echo "unknown part $part (steps, batch, profile, e2e, auto)" >&2 ;;
   esac
 done

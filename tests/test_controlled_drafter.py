@@ -111,15 +111,18 @@ def test_e2e_bench_tiny_preset_writes_every_row(tmp_path):
     sys.path.remove(os.path.join(ROOT, "bench"))
   out = tmp_path / "e2e.json"
   gpu_e2e.main(["--preset", "tiny", "--new-tokens", "12", "--prompt-len", "8", "--batches", "2",
-                "--taus", "2,3", "--budgets", "8", "--depth", "4", "--top-k", "3",
+                "--taus", "2,3", "--budgets", "8", "--depth", "4", "--top-k", "3", "--auto",
                 "--compile-workers", "2", "--out", str(out)])
   record = json.loads(out.read_text())
   assert record["preset"] == "tiny" and record["new_tokens"] == 12
   assert record["compiles_after_precompile"] == 0  # the bench compiled what decode_prompts runs
   runs = {(r["batch"], r["method"], r["budget"], r["tau"]): r for r in record["rows"]}
-  assert set(runs) == {(2, "ar", 1, 1.0), (2, "jetflow", 8, 2.0), (2, "jetflow", 8, 3.0)}
+  assert set(runs) == {(2, "ar", 1, 1.0), (2, "jetflow", 8, 2.0), (2, "jetflow", 8, 3.0),
+                       (2, "jetflow", "auto", 2.0), (2, "jetflow", "auto", 3.0)}
+  assert all(sum(r["rounds_by_budget"].values()) > 0 for r in record["rows"]
+             if r["budget"] == "auto")
   for key, r in runs.items():
     assert r["tokens_per_s"] > 0 and r["num_tokens"] == 12 * key[0], key
     assert r["matches_ar"], key  # float32 on CPU: the same tokens as AR
   # A two-point distribution at an integer tau commits exactly tau every full round.
-  assert all(r["full_round_tau"] == r["tau"] for r in record["rows"] if r["method"] == "jetflow")
+  assert all(r["full_round_tau"] == r["tau"] for r in record["rows"] if r["budget"] == 8)

@@ -104,14 +104,15 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], sta
   return _seconds[memo]
 
 
-def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable,
+def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable | None,
              ladder: tuple[int, ...], seconds_l: np.ndarray, pending: int, prompt_lengths_b,
              on_tokens=None, schedule: Sequence[int] | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
   taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments).
   The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
-  (0: AR rounds commit their own). Returns (state, the budget of every round).
+  (0: AR rounds commit their own, and `flush` may be None). Returns (state, the budget of every
+  round).
   """
   rows = len(prompt_lengths_b)
   probe_key = (tuple(ladder), tuple(seconds_l), rows)  # the round times stand for the shapes

@@ -239,7 +239,9 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   advance_l = [functools.partial(decode_fn, target_params, drafter_params)
                for _, decode_fn in compiled_l]
   prefill_fn = compiled_l[0][0]
-  if auto:
+  pending = pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size)
+  flush_fn = None
+  if pending:  # a drafter with taps, under auto
     flush_fn = functools.partial(compile_flush(drafter_params, prefill_fn, drafter, mesh),
                                  drafter_params)
     compile_s = time.perf_counter() - start
@@ -252,8 +254,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
     seconds_l = (round_seconds(specs, advance_l, state, rows.prompt_bt.shape[1], cache_size)
                  if auto is True else np.ones(len(specs)))  # a given schedule needs no times
     calibrate_s = time.perf_counter() - calibrating
-    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l,
-                              pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size),
+    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, pending,
                               rows.lengths_b, on_tokens, None if auto is True else auto)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
