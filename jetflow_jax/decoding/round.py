@@ -192,16 +192,21 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
     taps_bnld = verified.taps_bnld
     path_taps = None if taps_bnld is None else _take_rows(taps_bnld, path_bd)
     drafter_state, pending = state.drafter_state, state.pending_taps_bpld
+    pending_from_b = state.pending_from_b
     if spec.tree_shape.kind == "root" and pending.shape[1]:
       # Kept back, one row a round, for the next drafting round to commit all at once.
       write = lambda buffer, row, at: jax.lax.dynamic_update_slice_in_dim(buffer, row, at, 0)
       pending = jax.vmap(write)(pending, path_taps.astype(pending.dtype),
-                                jnp.clip(context_len_b - state.pending_from_b, 0,
+                                jnp.clip(context_len_b - pending_from_b, 0,
                                          pending.shape[1] - 1))
     else:
       drafter_state = drafter.commit(drafter_params, drafter_state, path_taps, context_len_b)
     tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
     lengths_b = state.lengths_b + count_b
+    if spec.tree_shape.kind != "root" and pending.shape[1]:
+      # The drafter holds everything before the new anchor now: later AR rounds keep theirs
+      # back from there (else the next flush wrote the buffer's stale rows over this commit).
+      pending_from_b = lengths_b - 1
     live_b = ~state.done_b
     # A finished row writes its 0 into the column after its last round, which is never read.
     committed_br = state.committed_br.at[rows, state.rounds_b].set(count_b)
@@ -211,6 +216,7 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
     state = state.replace(predicted_bl=verified.predicted_bl)
   return state.replace(tokens_bs=tokens_bs, lengths_b=lengths_b, stop_b=stop_b, cache=cache,
                        drafter_state=drafter_state, pending_taps_bpld=pending,
+                       pending_from_b=pending_from_b,
                        num_forwards=state.num_forwards + 1,
                        rounds_b=state.rounds_b + live_b.astype(jnp.int32),
                        committed_br=committed_br)
