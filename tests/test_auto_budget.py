@@ -38,6 +38,7 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
     assert set(result.budgets) == set(schedule)
   path = tmp_path / "costs.json"
   monkeypatch.setenv("JETFLOW_COST_TABLES", str(path))
+  monkeypatch.setattr(auto, "_seconds", {})  # measured here, whatever ran before
   choose = lambda: jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS,
                                                     24, budget="auto", max_budget=16, top_k=3,
                                                     stop_tokens=())
@@ -52,6 +53,12 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   path.write_text(json.dumps(tables))
   monkeypatch.setattr(auto, "_seconds", {})
   flat = choose()
+  # An unwritable file: a warning, and decoding goes on.
+  (tmp_path / "a file").write_text("")
+  monkeypatch.setenv("JETFLOW_COST_TABLES", str(tmp_path / "a file" / "costs.json"))
+  monkeypatch.setattr(auto, "_seconds", {})
+  with pytest.warns(UserWarning, match="cannot keep the measured round times"):
+    assert choose().tokens == reference
   assert flat.tokens == reference and flat.calibrate_s < chosen.calibrate_s
   assert flat.budgets.count(16) > len(flat.budgets) / 2
 

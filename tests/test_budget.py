@@ -121,13 +121,14 @@ def test_cost_table_interpolates_between_measured_rows_and_round_trips(tmp_path)
   assert load_cost_table(path, costs.key) == costs
   assert load_cost_table(path, other.key) == other
   assert load_cost_table(path, {"device": "nope"}) is None
-  for damaged in ("{not json", '{"tables": 3}', '{"tables": [{"key": {"device": "test"}}]}'):
+  for damaged in ("{not json", '{"tables": 3}', '{"tables": [{"key": {"device": "test"}}]}',
+                  '{"tables": [{"key": {"device": "test"}, "rows": [1], "seconds": []}]}'):
     (tmp_path / "costs.json").write_text(damaged)  # a cache: read as empty, then rewritten
     assert load_cost_table(path, costs.key) is None
     save_cost_table(path, costs)
     assert load_cost_table(path, costs.key) == costs
   key = cost_key("cpu", type("T", (), {"hidden_size": 64, "num_hidden_layers": 2})(), None, 4)
-  assert key == {"device": "cpu", "dtype": "", "slots": 4, "head": None,
+  assert key == {"device": "cpu", "jax": jax.__version__, "dtype": "", "slots": 4, "head": None,
                  "target": {"hidden_size": 64, "num_hidden_layers": 2}}
   with pytest.raises(InputError):
     table((8, 1), [1, 1], {})

@@ -29,7 +29,7 @@ def random_head(directory, out_dir) -> list[str]:
   head = HeadConfig.for_target(config, num_layers=1, block_size=4,
                                mask_token_id=config.vocab_size - 1, target_layer_ids=(0, 1))
   save_hf_head(init_head_params(head, jax.random.key(0)), head, out_dir, dtype=jnp.float32)
-  return ["--head", out_dir, "--budget", "auto", "--max-budget", "8", "--top-k", "3"]
+  return ["--head", out_dir, "--budget", "auto", "--max-budget", "4", "--top-k", "3"]
 
 
 @pytest.mark.parametrize("moe,mesh", [(False, "data=2,tp=2"), (True, "tp=2,ep=2")])
@@ -53,7 +53,7 @@ def test_two_processes_decode_like_one_device(make_checkpoint, tmp_path, moe, me
     text = out[out.index(shown) + len(shown):]
     assert [int(t) for t in text.split("\n\n[")[0].split()] == want["token_ids"]
     assert "[jetflow: 12 tokens, budget auto: " in out
-    assert not quiet.strip() or "[jetflow" not in quiet
+    assert "[jetflow" not in quiet  # one summary line, process 0's
     return
   lines = [line for line in out.splitlines() if line.startswith("{")]
   assert not [line for line in quiet.splitlines() if line.startswith("{")]

@@ -67,7 +67,10 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
   spec = specs[-1]  # the largest tree
   key = cost_key(jax.devices()[0].device_kind, spec.config, getattr(spec.drafter, "config", None),
                  rows, dtype)
-  key["loop"] = {"tree": spec.tree_shape.kind, "top_k": spec.tree_shape.top_k,
+  key["loop"] = {"drafter": type(spec.drafter).__name__, "depth": spec.drafter.depth,
+                 "taps": len(spec.drafter.tap_layers),
+                 "drafter_impl": str(getattr(spec.drafter, "impl", "")),
+                 "tree": spec.tree_shape.kind, "top_k": spec.tree_shape.top_k,
                  "ladder": list(spec.ladder), "prompt_width": prompt_width, "capacity": capacity,
                  "attention": spec.impl, "sampled": spec.sampled, "filtered": spec.filtered,
                  "logprobs": spec.logprobs,

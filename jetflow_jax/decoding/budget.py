@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -152,7 +153,7 @@ def cost_key(device_kind: str, target, head=None, slots: int = 1, dtype: str = "
                    "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
                    "num_experts_per_tok", "moe_intermediate_size")
   head_fields = ("num_layers", "hidden_size", "intermediate_size", "block_size", "causal")
-  return {"device": device_kind, "dtype": dtype, "slots": slots,
+  return {"device": device_kind, "jax": jax.__version__, "dtype": dtype, "slots": slots,
           "target": {f: getattr(target, f) for f in target_fields if hasattr(target, f)},
           "head": None if head is None else {f: getattr(head, f) for f in head_fields}}
 
@@ -239,7 +240,7 @@ def save_cost_table(path: str, table: CostTable) -> None:
   """Writes `table` into the JSON file at `path`, replacing a table with the same key."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tables = [t for t in _tables(path) if t["key"] != table.key]
-  tmp = f"{path}.{os.getpid()}.tmp"  # two processes saving at once never share one
+  tmp = f"{path}.{os.getpid()}.tmp"  # each process its own; of two saving at once, one wins
   with open(tmp, "w") as f:
     json.dump({"tables": tables + [table.to_json()]}, f, indent=1)
   os.replace(tmp, path)  # a reader never sees half a file
@@ -251,7 +252,7 @@ def load_cost_table(path: str, key: dict) -> CostTable | None:
   record = next((t for t in _tables(path) if t["key"] == key), None)
   try:
     return None if record is None else CostTable.from_json(record)
-  except (InputError, ValueError, KeyError, TypeError):
+  except (InputError, ValueError, KeyError, TypeError, AttributeError):
     return None
 
 
@@ -264,10 +265,15 @@ def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[
   kept nowhere). In a multi-process job process 0 reads, every process measures (the timed
   programs run on all), and all take process 0's times, which it saves."""
   main = distributed.is_main_process()
+  known_l = np.full(len(ladder), np.nan, np.float32)
   table = load_cost_table(path, key) if path and main and not remeasure else None
-  known_l = distributed.agreed(np.full(len(ladder), np.nan, np.float32) if table is None else
-                               table.round_seconds("tree", ladder, rows).astype(np.float32))
-  if not np.isnan(known_l).any():
+  if table is not None:
+    try:
+      known_l = table.round_seconds("tree", ladder, rows).astype(np.float32)
+    except InputError:  # a budget missing: measured again
+      pass
+  known_l = distributed.agreed(known_l)
+  if np.all(np.isfinite(known_l) & (known_l > 0)):
     return known_l.astype(np.float64), 0.0
   start = time.perf_counter()
   seconds_l = distributed.agreed(np.asarray(measure(), np.float32)).astype(np.float64)
@@ -275,10 +281,14 @@ def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[
   if path and main:
     by_budget = {n: (float(s),) for n, s in zip(ladder, seconds_l)}
     trees = [n for n in ladder if n > 1]
-    save_cost_table(path, CostTable(
-        key=key, rows=(rows,), notes=notes,
-        seconds={AR_METHOD: {1: by_budget[1]}, "tree": {n: by_budget[n] for n in trees}},
-        source={AR_METHOD: {1: ("measured",)}, "tree": {n: ("measured",) for n in trees}}))
+    try:
+      save_cost_table(path, CostTable(
+          key=key, rows=(rows,), notes=notes,
+          seconds={AR_METHOD: {1: by_budget[1]}, "tree": {n: by_budget[n] for n in trees}},
+          source={AR_METHOD: {1: ("measured",)}, "tree": {n: ("measured",) for n in trees}}))
+    except OSError as e:  # a cache: decoding goes on, the next start measures again
+      warnings.warn(f"cannot keep the measured round times in {path} ({e.strerror or e}); set "
+                    f"${COST_TABLES_ENV} to a writable file, or empty to keep none")
   return seconds_l, measured_s
 
 

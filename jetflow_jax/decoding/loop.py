@@ -113,9 +113,10 @@ def pending_rounds(spec: RoundSpec, prompt_width: int, capacity: int) -> int:
   """How many AR rounds in a row may keep their taps back from the drafter, for the loop that
   chooses budgets (its AR runs go back to the host this seldom at least; 0 otherwise).
 
-  From the shapes alone (a compiled loop is reused for any prompt of its bucket): a prompt
-  padded to `prompt_width` is longer than half of it, so its row runs fewer than
-  `capacity - prompt_width // 2` rounds.
+  From the shapes alone (a compiled loop is reused for any prompt of its bucket): the longest
+  prompt of a batch padded to `prompt_width` is longer than half of it (above the smallest
+  bucket), so its row runs fewer than `capacity - prompt_width // 2` rounds; shorter rows may
+  flush more often.
   """
   if not (spec.ladder and spec.drafter.tap_layers):
     return 0
@@ -210,7 +211,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   With `on_tokens`, the host regains control every `stream_every` rounds and is given the
   tokens so far (streaming); otherwise one jitted loop runs to the end. Both give the same
   tokens. With `mesh`, `target_params` must be placed as `mesh.param_shardings` says; the
-  drafter's params are replicated over it here and the rows split over its `data` axis.
+  drafter's params are replicated over it here and the rows split over its `data` axis. In a
+  multi-process job every process passes the same arguments (`on_tokens` on all or none).
   With `auto`, each round's budget is chosen on the ladder up to `tree_shape.budget`
   (`decoding.auto`): the round of each budget compiles, and is timed once per shape; `auto` a
   sequence of ladder budgets runs them in turn instead.
