@@ -11,18 +11,20 @@ import pytest
 
 import jetflow_jax
 from jetflow_jax import calibrate
-from jetflow_jax.decoding import TreeShape, decode_prompts
-from jetflow_jax.decoding import auto
+from jetflow_jax.decoding import TreeShape, auto, decode_prompts
 from jetflow_jax.decoding.auto import auto_specs
-from jetflow_jax.decoding.loop import PENDING_ROUNDS, pending_rounds
+from jetflow_jax.decoding.loop import (PENDING_ROUNDS, batch_rows, compile_decode, compile_flush,
+                                       compiled, pending_rounds)
 from jetflow_jax.decoding.round import RoundSpec
+from jetflow_jax.decoding.state import default_cache_size
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.engine import Orchestrator, Request, budgets, make_engine
 from jetflow_jax.engine.budgets import step_seconds
 from jetflow_jax.head import init_head_params
-from jetflow_jax.sampling import Sampling
-from test_speculative import (PROMPTS, SAMPLES, ar_greedy, assert_matches, exact_first_three,
-                              head_config, small_target, target, trained_head)  # noqa: F401
+from jetflow_jax.sampling import Greedy, Sampling, sampling_flags
+from test_speculative import (PROMPTS, SAMPLES, ar_greedy,  # noqa: F401
+                              assert_caches_equal_ar_and_append_context, assert_matches,
+                              exact_first_three, head_config, small_target, target, trained_head)
 
 
 def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, monkeypatch):
@@ -36,6 +38,24 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
                             tree_shape=TreeShape("top_n", 16, 3), stop_tokens=(), auto=schedule)
     assert result.tokens == reference
     assert set(result.budgets) == set(schedule)
+  # The same programs, by hand: AR rounds keep their taps back, a flush commits them before a
+  # tree, and over AR, tree, AR, tree, AR rounds the head's context ends as if each round had
+  # committed its own (a flush after a tree once wrote stale rows over the tree's commit).
+  specs = auto_specs(RoundSpec(config, drafter, TreeShape("top_n", 16, 3),
+                               **sampling_flags([Greedy()])))
+  cache_size = default_cache_size(config, PROMPTS, 24)
+  rows = batch_rows(PROMPTS, 24, cache_size, Greedy(), 0, ())
+  misses = compiled.misses
+  (prefill, ar), (_, tree) = (compile_decode(params, head_params, rows, spec, cache_size)
+                              for spec in (specs[0], specs[-1]))
+  flush = compile_flush(head_params, prefill, drafter, None)
+  assert compiled.misses == misses  # what decode_prompts compiled above
+  state = prefill(params, head_params, *rows.args())
+  for rounds in (2, 0, 3, 0, 2):  # 0: flush, then one tree round
+    state = ar(params, head_params, state, rounds) if rounds else tree(
+        params, head_params, flush(head_params, state), 1)
+  assert_caches_equal_ar_and_append_context(config, params, head, head_params,
+                                            flush(head_params, state))
   path = tmp_path / "costs.json"
   monkeypatch.setenv("JETFLOW_COST_TABLES", str(path))
   monkeypatch.setattr(auto, "_seconds", {})  # measured here, whatever ran before

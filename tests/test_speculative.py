@@ -11,8 +11,7 @@ import torch
 
 import jetflow_jax
 from jetflow_jax.decoding import RoundSpec, TreeShape, decode_prompts, generate
-from jetflow_jax.decoding.auto import auto_specs
-from jetflow_jax.decoding.loop import batch_rows, compile_decode, compile_flush
+from jetflow_jax.decoding.loop import batch_rows, compile_decode
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head import append_context, init_head_cache, init_head_params
@@ -186,25 +185,6 @@ def test_cache_and_head_context_after_rounds_equal_ar_and_append_context(target,
   state = decode(params, head_params, prefill(params, head_params, *rows.args()), 3)
   assert (np.asarray(state.lengths_b) - lengths_b > 3).any()  # some round accepted draft tokens
   assert_caches_equal_ar_and_append_context(config, params, head, head_params, state)
-
-
-def test_head_context_held_back_over_ar_rounds_equals_append_context(target, trained_head):
-  """Under budget auto, AR rounds keep their taps back and a flush commits them before a tree:
-  over AR, tree, AR, tree, AR rounds the head's context ends as if every round committed its
-  own (a flush after a tree once wrote the buffer's stale rows over the tree's commit)."""
-  config, params = target
-  head, head_params = trained_head
-  specs = auto_specs(RoundSpec(config, HeadDrafter(head), TreeShape("top_n", 12, 3)))
-  rows = batch_rows(PROMPTS, 40, 64, Greedy(), 0, ())
-  (prefill, ar), (_, tree) = (compile_decode(params, head_params, rows, spec, 64)
-                              for spec in (specs[0], specs[-1]))
-  flush = compile_flush(head_params, prefill, HeadDrafter(head), None)
-  state = prefill(params, head_params, *rows.args())
-  for rounds in (2, 0, 3, 0, 2):  # 0: flush, then one tree round
-    state = ar(params, head_params, state, rounds) if rounds else tree(
-        params, head_params, flush(head_params, state), 1)
-  assert_caches_equal_ar_and_append_context(config, params, head, head_params,
-                                            flush(head_params, state))
 
 
 def assert_caches_equal_ar_and_append_context(config, params, head, head_params, state):
