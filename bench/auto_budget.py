@@ -6,7 +6,8 @@
 `python -m jetflow_jax.bench` times its cells one after another, so on a noisy machine a
 cell's luck moves its ratio by 10-20%; here every pass runs each cell over the whole prompt
 set in turn (AR, each fixed budget, auto; the order rotated from pass to pass, so each cell
-runs first, second, ...), `--repeats` passes, and each cell's tokens/s is its median. Greedy, 128 new tokens, the JetFlow head, auto up to the largest fixed budget.
+runs first, second, ...), `--repeats` passes, and each cell's tokens/s is its median. Greedy,
+128 new tokens, the JetFlow head, auto up to the largest fixed budget.
 Prints a table per set (auto / AR and auto / the best fixed budget) and writes
 bench/results/auto_budget.json.
 """
