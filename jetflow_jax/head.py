@@ -13,7 +13,7 @@ head. Output row k (k >= 1) is the distribution of the token at depth k.
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Callable, Literal
 
 import flax.linen as nn
 import jax
@@ -162,7 +162,8 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
 
 
 def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, context_positions_bt,
-                    anchors_ba, context_start_ba, causal: bool, attention: TrainAttentionImpl):
+                    anchors_ba, context_start_ba, causal: bool, attention: TrainAttentionImpl,
+                    attention_chunk: int):
   """A head layer's own modules over the packed blocks, with packed-anchor attention."""
   # The context K/V are made here from the fused features, so remat recomputes them, not keeps them.
   attn, theta = layer.self_attn, layer.config.rope_theta
@@ -172,7 +173,7 @@ def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, cont
     q_btnh = apply_rope(attn.q_norm(attn.q_proj(h_btd)), positions_bt, theta)
     k_btkh, v_btkh = attn.keys_values(h_btd, positions_bt)
     out_btnh = train_attention(q_btnh, k_ctx_bskh, v_ctx_bskh, k_btkh, v_btkh, anchors_ba, causal,
-                               context_start_ba, impl=attention,
+                               context_start_ba, impl=attention, chunk_anchors=attention_chunk,
                                # Pallas has no CPU backend; there it runs interpreted.
                                interpret=jax.default_backend() == "cpu")
     x_btd = x_btd + attn.o_proj(out_btnh)
@@ -183,7 +184,8 @@ def _training_layer(layer: DecoderLayer, x_btd, positions_bt, features_btd, cont
 def training_hidden(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
                     taps_btld, tokens_bt, anchors_ba, dtype: Dtype = jnp.float32, *,
                     segment_starts_bt=None, attention: TrainAttentionImpl = "split",
-                    remat: RematPolicy = "none"):
+                    attention_chunk: int = 0, remat: RematPolicy = "none",
+                    rows: Callable = lambda x: x):
   """Final-normed draft hidden `[B, A, depth, D]` for A anchors per sequence, one packed forward.
 
   Context rows are all T tokens' taps; anchor a's block reads rows < a and its own block only
@@ -192,17 +194,20 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
   each token's sample begins: blocks then read their own sample's rows only, and positions
   count from the sample's start.
   `attention` picks how that mask is applied (see `kernels.train_attention`): "dense" (the
-  masked reference), "split" (XLA, no cross-block scores) or "pallas" (Triton prefix kernel).
+  masked reference), "split" (XLA, no cross-block scores; `attention_chunk` > 0 anchors at a
+  time) or "pallas" (Triton prefix kernel).
   `remat` recomputes each head layer in the backward pass: "none", "full" (keeps only the
-  layer inputs) or "dots" (also keeps the weight-matmul outputs).
+  layer inputs) or "dots" (also keeps the weight-matmul outputs). `rows` pins the batch axis
+  of the activations between layers (`partitioning.Layout.rows` of the train step's mesh).
   """
   if remat not in ("none", *_REMAT_POLICIES):
     raise ValueError(f"unknown remat policy {remat!r}")
   batch = tokens_bt.shape[0]
   num_anchors, block = anchors_ba.shape[1], config.block_size
   anchor_tokens_ba = jnp.take_along_axis(tokens_bt, anchors_ba, axis=1)
-  x_btd = embed_tokens(target_params, target_config,
-                       _block_tokens(config, anchor_tokens_ba).reshape(batch, -1)).astype(dtype)
+  x_btd = rows(embed_tokens(target_params, target_config,
+                            _block_tokens(config, anchor_tokens_ba).reshape(batch, -1)))
+  x_btd = x_btd.astype(dtype)
   if segment_starts_bt is None:
     segment_starts_bt = jnp.zeros(tokens_bt.shape, jnp.int32)
   context_positions_bt = jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - segment_starts_bt
@@ -210,18 +215,19 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
   positions_bt = ((anchors_ba - context_start_ba)[:, :, None]
                   + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
   head = DraftHead(config, dtype)
-  features_btd = head.apply({"params": head_params}, taps_btld.astype(dtype),
-                            method=DraftHead.context_features)
+  features_btd = rows(head.apply({"params": head_params}, taps_btld.astype(dtype),
+                                 method=DraftHead.context_features))
 
   for i in range(config.num_layers):
     layer = DecoderLayer(config.layer_config(), i, dtype=dtype)
     run = lambda layer_params, *args, layer=layer: layer.apply(
-        {"params": layer_params}, *args, config.causal, attention, method=_training_layer)
+        {"params": layer_params}, *args, config.causal, attention, attention_chunk,
+        method=_training_layer)
     if remat != "none":
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])
     # `DraftHead.setup` keeps its layers in a list, which Flax names layers_0, layers_1, ...
-    x_btd = run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd,
-                context_positions_bt, anchors_ba, context_start_ba)
+    x_btd = rows(run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd,
+                     context_positions_bt, anchors_ba, context_start_ba))
   hidden_btd = head.apply({"params": head_params}, x_btd, method=lambda h, x: h.norm(x))
   return hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
 

@@ -22,6 +22,11 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16":
                 "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
+# Buffers are assigned before code generation, so sizing a program needs no optimized machine
+# code: these halve a CPU compile and leave its memory analysis as it is.
+SIZING_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def use_host_devices(count: int) -> None:
   """Makes jax start with `count` CPU devices; JAX_PLATFORMS, when set, still picks the platform.
 

@@ -22,6 +22,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
 from jetflow_jax.kernels.tree_attention import causal_attention
 from jetflow_jax.moe import ExpertsImpl, MoE
+from jetflow_jax.partitioning import Layout
 
 Dtype = Any
 
@@ -290,6 +291,59 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers), tree_mask_btt)
+
+
+def _layer_runs(config: Qwen3Config, tap_layers: Sequence[int]) -> list[range]:
+  """The decoder stack as runs of consecutive layers of one kind (dense or MoE), each run ending
+  at a tap or before a layer of the other kind."""
+  runs, start = [], 0
+  for i in range(config.num_hidden_layers):
+    last = (i + 1 == config.num_hidden_layers or i in tap_layers
+            or config.is_moe_layer(i + 1) != config.is_moe_layer(i))
+    if last:
+      runs.append(range(start, i + 1))
+      start = i + 1
+  return runs
+
+
+def forward_by_layer(params, config: Qwen3Config, tokens_bt, *, positions_bt=None, mask_bts=None,
+                     tap_layers: Sequence[int] = (), experts: ExpertsImpl = "ragged",
+                     layout: Layout = Layout()):
+  """`forward` without a cache, as a loop over its layers: (final normed hidden `[B, T, D]`, taps).
+
+  For a frozen target split over a mesh (the train step's `layout`): the loop body picks its
+  layer's weights by the loop index, so they are gathered (and, on CPU, upcast) inside the
+  body, one layer's at a time; an unrolled stack lets XLA gather and convert every layer's
+  weights at the start of the program and hold them all. Activations keep their rows split
+  between layers. One body per run of layers of one kind (`_layer_runs`) also compiles in a
+  fraction of the unrolled stack's time.
+  """
+  dtype = params_dtype(params)
+  batch, length = tokens_bt.shape
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  starts_b = jnp.zeros((batch,), jnp.int32)
+  x_btd = layout.rows(embed_tokens(params, config, tokens_bt, dtype))
+  taps = {}
+  for run in _layer_runs(config, tap_layers):
+    layer = DecoderLayer(config, run.start, dtype=dtype, experts=experts)
+
+    def step(x_btd, i, run=run, layer=layer):
+      pick = [lambda i=i: params[f"layers_{i}"] for i in run]
+      layer_params = jax.lax.switch(i - run.start, pick) if len(run) > 1 else pick[0]()
+      x_btd, _ = layer.apply({"params": layout.params(layer_params)}, x_btd, positions_bt, None,
+                             starts_b, mask_bts)
+      return layout.rows(x_btd), None
+
+    if len(run) == 1:
+      x_btd, _ = step(x_btd, run.start)
+    else:
+      x_btd, _ = jax.lax.scan(step, x_btd, jnp.arange(run.start, run.stop, dtype=jnp.int32))
+    taps[run.stop - 1] = x_btd
+  hidden_btd = Qwen3(config, dtype=dtype).apply({"params": params}, x_btd,
+                                                method=lambda model, x: model.norm(x))
+  taps_btld = jnp.stack([taps[i] for i in tap_layers], axis=2) if tap_layers else None
+  return hidden_btd, taps_btld
 
 
 def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = None):

@@ -13,6 +13,7 @@ parameters, caches and batches are written nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Sequence
 
@@ -66,10 +67,12 @@ def spec(axes: Axes, rules: Rules, mesh: Mesh | None = None,
   """The `PartitionSpec` of an array whose dimensions have the logical `axes`, under `rules`.
 
   The rules are read in order: a rule's mesh axes split the first dimension of its logical
-  axis, unless an earlier rule already took one of them (a mesh axis splits one dimension)
-  or, given `shape`, they do not divide its size (None: unknown, never refused); then a later
-  rule may take them. Mesh axes that `mesh` lacks are left out. An array none of whose axes
-  the rules name is P(); the others get one entry per dimension.
+  axis, less those an earlier rule already took (a mesh axis splits one dimension), unless,
+  given `shape`, they do not divide its size (None: unknown, never refused); then a later
+  rule may take them. So with `{"vocab": "fsdp", "batch": ("data", "fsdp")}` logits
+  `("batch", "vocab")` split their rows over data and their vocabulary over fsdp, and arrays
+  without a vocabulary split their rows over both. Mesh axes that `mesh` lacks are left out.
+  An array none of whose axes the rules name is P(); the others get one entry per dimension.
   """
   if not any(axis in rules for axis in axes):
     return P()
@@ -77,9 +80,9 @@ def spec(axes: Axes, rules: Rules, mesh: Mesh | None = None,
   used: set[str] = set()
   for name, target in rules.items():
     mesh_axes = (target,) if isinstance(target, str) else tuple(target)
-    if mesh is not None:
-      mesh_axes = tuple(a for a in mesh_axes if a in mesh.shape)
-    if not mesh_axes or used & set(mesh_axes):
+    mesh_axes = tuple(a for a in mesh_axes
+                      if a not in used and (mesh is None or a in mesh.shape))
+    if not mesh_axes:
       continue
     ways = math.prod(mesh.shape[a] for a in mesh_axes) if mesh is not None else 1
     for i, axis in enumerate(axes):
@@ -87,10 +90,41 @@ def spec(axes: Axes, rules: Rules, mesh: Mesh | None = None,
         continue
       if shape is not None and shape[i] is not None and shape[i] % ways:
         continue
-      entries[i] = mesh_axes[0] if isinstance(target, str) else mesh_axes
+      entries[i] = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
       used.update(mesh_axes)
       break
   return P(*entries)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+  """Where a jitted step's activations live: `layout(x, axes)` pins `x` (logical `axes`, one
+  per dimension) to `mesh` under `rules`; with no mesh it returns `x` as it is.
+
+  The partitioner infers every other placement from the arguments', which is not enough: a
+  gather from a table split along its width, or a matmul against a weight split along its
+  input, can leave the batch whole on every device, and then each device does every row's
+  work. A step pins its activations at the places that decide it.
+  """
+  mesh: Mesh | None = None
+  rules: Rules = dataclasses.field(default_factory=dict)
+
+  def __call__(self, x: jax.Array, axes: Axes) -> jax.Array:
+    if self.mesh is None:
+      return x
+    where = NamedSharding(self.mesh, spec(axes, self.rules, self.mesh, x.shape))
+    return jax.lax.with_sharding_constraint(x, where)
+
+  def rows(self, x: jax.Array) -> jax.Array:
+    """`x` with its leading axis the batch and the others whole."""
+    return self(x, ("batch",) + (None,) * (x.ndim - 1))
+
+  def params(self, tree):
+    """A tree of parameters where the rules store them (split, not gathered for use)."""
+    if self.mesh is None:
+      return tree
+    return jax.lax.with_sharding_constraint(
+        tree, shardings(self.mesh, param_specs(tree, self.rules, self.mesh)))
 
 
 def param_specs(tree, rules: Rules, mesh: Mesh | None = None):

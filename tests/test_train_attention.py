@@ -114,6 +114,26 @@ def test_split_and_pallas_gradients_equal_dense(causal, packed):
       np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=f"{impl} d{name}")
 
 
+@pytest.mark.parametrize("chunk", [2, 4])  # 6 anchors: whole chunks, and a padded last chunk
+def test_split_in_anchor_chunks_equals_split(chunk):
+  case = make_case(4, a=6, block=4, s=50, n=8, k=2, packed=True)
+
+  @functools.partial(jax.jit, static_argnames="chunk_anchors")
+  def value_and_grads(args, chunk_anchors):
+    def loss(args):
+      out = train_attention(*args, case["anchors"], True, case["starts"], impl="split",
+                            chunk_anchors=chunk_anchors)
+      return (out * jax.random.normal(jax.random.key(0), out.shape)).sum(), out
+    return jax.value_and_grad(loss, has_aux=True)(args)
+
+  args = tuple(case[name] for name in ARG_NAMES)
+  (_, whole), whole_grads = value_and_grads(args, 0)
+  (_, chunked), chunked_grads = value_and_grads(args, chunk)
+  np.testing.assert_allclose(chunked, whole, atol=1e-6, rtol=0)
+  for name, got, want in zip(ARG_NAMES, chunked_grads, whole_grads):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"d{name}")
+
+
 def test_pallas_bfloat16_close_to_dense():
   case = make_case(3, a=4, block=8, s=48, n=8, k=2, h=32, dtype=jnp.bfloat16)
   expected = np.asarray(run(case, True, "dense"), np.float32)

@@ -103,11 +103,45 @@ def _merge_in_block(o_ctx_btnh, lse_ctx_btn, q_btnh, k_blk_btkh, v_blk_btkh, num
   return _finish(o_baikgh, l_bakgi, q_btnh.shape).astype(q_btnh.dtype)
 
 
+def _in_anchor_chunks(attend, chunk: int, q_btnh, k_ctx_bskh, v_ctx_bskh, k_blk_btkh,
+                      v_blk_btkh, anchors_ba, causal: bool, context_start_ba):
+  """`attend` over `chunk` anchors at a time, each chunk recomputed in the backward pass, so
+  one chunk's scores and probabilities exist at once (not all A anchors', in every layer).
+
+  The anchor axis is padded to whole chunks with anchors at position 0: their rows read no
+  context, only their own zero block, and are dropped from the output.
+  """
+  batch, rows, heads, head_dim = q_btnh.shape
+  num_anchors = anchors_ba.shape[1]
+  block = rows // num_anchors
+  num_chunks = -(-num_anchors // chunk)
+  pad = num_chunks * chunk - num_anchors
+
+  def split(x_ba, per_anchor: int):  # [B, A * per_anchor, ...] -> [chunks, B, chunk * per_anchor, ...]
+    x = x_ba.reshape(batch, num_anchors, per_anchor, *x_ba.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(batch, num_chunks, chunk * per_anchor, *x_ba.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+  def one_chunk(args):
+    q, k_blk, v_blk, anchors, starts = args
+    return attend(q, k_ctx_bskh, v_ctx_bskh, k_blk, v_blk, anchors, causal, starts)
+
+  # Inside a map the recomputation cannot be merged away, so CSE need not be prevented.
+  out_cbtnh = jax.lax.map(jax.checkpoint(one_chunk, prevent_cse=False),
+                          (split(q_btnh, block), split(k_blk_btkh, block),
+                           split(v_blk_btkh, block), split(anchors_ba, 1),
+                           split(context_start_ba, 1)))
+  out_btnh = jnp.moveaxis(out_cbtnh, 0, 1).reshape(batch, -1, heads, head_dim)
+  return out_btnh[:, :rows]
+
+
 def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Array,
                     k_blk_btkh: jax.Array, v_blk_btkh: jax.Array, anchors_ba: jax.Array,
                     causal: bool, context_start_ba: jax.Array | None = None, *,
-                    impl: TrainAttentionImpl = "split", interpret: bool = False,
-                    block_kv: int = 64, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                    impl: TrainAttentionImpl = "split", chunk_anchors: int = 0,
+                    interpret: bool = False, block_kv: int = 64, num_warps: int = 4,
+                    num_stages: int = 2) -> jax.Array:
   """Attention of A packed blocks over their context prefixes and themselves; output `[B, T, N, H]`.
 
   q `[B, T, N, H]` and the block keys/values `[B, T, K, H]` hold A = anchors_ba.shape[1] blocks
@@ -116,7 +150,10 @@ def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Ar
   sample begins) and, inside their block, offsets j <= i (causal) or all of them. Query head
   n uses kv head n // (N / K); float32 softmax, output in q's dtype. `impl`: "dense" (masked
   reference), "split" (XLA) or "pallas" (the prefix part in a Triton kernel, see
-  `prefix_attention_pallas`, which the keyword arguments after `impl` tune).
+  `prefix_attention_pallas`, which `block_kv`, `num_warps` and `num_stages` tune).
+  `chunk_anchors` > 0 runs "split" that many anchors at a time under remat: its `[T, S]`
+  scores, the largest activations of head training, then exist one chunk at a time (the
+  kernel never forms them).
   """
   num_anchors = anchors_ba.shape[1]
   if q_btnh.shape[1] % num_anchors:
@@ -129,6 +166,8 @@ def train_attention(q_btnh: jax.Array, k_ctx_bskh: jax.Array, v_ctx_bskh: jax.Ar
     if impl == "dense":
       return train_attention_dense(*args)
     if impl == "split":
+      if 0 < chunk_anchors < num_anchors:
+        return _in_anchor_chunks(train_attention_split, chunk_anchors, *args)
       return train_attention_split(*args)
     if impl == "pallas":
       o_ctx_btnh, lse_ctx_btn = prefix_attention_pallas(

@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.num_anchors = 256
   c.train.loss_chunk_anchors = 32  # anchors whose vocabulary-wide logits exist at once; 0: all
   c.train.head_attention = "split"  # dense | split | pallas (GPU): the head's training mask
+  # split: anchors whose attention scores exist at once (each chunk recomputed in the backward
+  # pass, so the [T, S] scores of all layers never coexist); 0: all anchors at once
+  c.train.attention_chunk_anchors = 64
   c.train.remat = "none"  # none | full | dots: recompute head layers in the backward pass
   # An MoE target's experts in the frozen pass: blocked (each row routes its own pairs; lean on
   # any backend) | ragged (one lax.ragged_dot over the whole batch; dense on CPU)

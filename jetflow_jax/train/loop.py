@@ -33,7 +33,8 @@ from jetflow_jax.train.losses import LOSSES
 from jetflow_jax.train.metrics import MetricsWriter
 from jetflow_jax.train.packing import (PackingPlan, check_plan, load_plan, make_plan, plan_inputs,
                                        save_plan)
-from jetflow_jax.train.sharding import (batch_sharding, check_batch, make_mesh, param_sharding)
+from jetflow_jax.train.sharding import (activation_layout, batch_sharding, check_batch, make_mesh,
+                                        param_sharding)
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
                                     make_train_step)
 from jetflow_jax.train.store import TokenStore
@@ -62,8 +63,9 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   t = config.train
   if t.loss not in LOSSES:
     raise ConfigError(f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
-  if t.loss_chunk_anchors < 0:
-    raise ConfigError(f"train.loss_chunk_anchors={t.loss_chunk_anchors} must be >= 0")
+  for key in ("loss_chunk_anchors", "attention_chunk_anchors"):
+    if t[key] < 0:
+      raise ConfigError(f"train.{key}={t[key]} must be >= 0")
   for key, allowed in (("head_attention", get_args(TrainAttentionImpl)),
                        ("remat", get_args(RematPolicy)),
                        ("target_experts", get_args(ExpertsImpl))):
@@ -72,17 +74,19 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   return LossConfig(kind=t.loss, temperature=t.temperature, depth_gamma=t.depth_gamma,
                     num_anchors=t.num_anchors, chunk_anchors=t.loss_chunk_anchors,
                     head_dtype=cli.parse_dtype(config.head.dtype),
-                    head_attention=t.head_attention, remat=t.remat,
+                    head_attention=t.head_attention,
+                    attention_chunk_anchors=t.attention_chunk_anchors, remat=t.remat,
                     target_experts=t.target_experts)
 
 
 def build_train_step(config: ml_collections.ConfigDict, head: HeadConfig, target,
-                     total_steps: int):
-  """(optimizer, schedule, jitted train step with the state donated) as `config` describes."""
+                     total_steps: int, mesh):
+  """(optimizer, schedule, jitted train step with the state donated) as `config` describes,
+  its activations pinned to `mesh` (see `sharding.activation_layout`)."""
   t = config.train
   optimizer, schedule = make_optimizer(t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip,
                                        total_steps, t.warmup_frac, t.final_lr_frac)
-  loss_fn = make_loss_fn(head, target, loss_config(config))
+  loss_fn = make_loss_fn(head, target, loss_config(config), activation_layout(mesh))
   train_step = jax.jit(make_train_step(loss_fn, optimizer, schedule, t.seed),
                        donate_argnames=("state",))
   return optimizer, schedule, train_step
@@ -147,7 +151,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # the exported head of that later stage stays as it is.
     manager.close()
     return {"step": latest_step, "past_total_steps": total_steps}
-  optimizer, schedule, train_step = build_train_step(config, head, target, total_steps)
+  optimizer, schedule, train_step = build_train_step(config, head, target, total_steps, mesh)
 
   setup.say(f"loading the target ({config.target.checkpoint or 'random, target.random'})")
   _, target_params = setup.load_target(config, lambda _, tree: param_sharding(mesh, tree))

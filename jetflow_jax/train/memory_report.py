@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jetflow_jax import cli, partitioning
+from jetflow_jax import cli, memory_analysis, partitioning
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.config_files import head_config, target_shape
 from jetflow_jax.errors import ConfigError, InputError
@@ -26,7 +26,8 @@ from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.memory_analysis import per_device_bytes, read_buffers, use_host_devices
 from jetflow_jax.model import abstract_params
 from jetflow_jax.train.loop import build_train_step
-from jetflow_jax.train.sharding import batch_sharding, check_batch, make_mesh, param_sharding
+from jetflow_jax.train.sharding import (RULES, batch_sharding, check_batch, make_mesh,
+                                        param_sharding)
 from jetflow_jax.train.step import TrainState
 
 GIB = 2**30
@@ -67,24 +68,37 @@ def abstract_arguments(config: ml_collections.ConfigDict, mesh, target: Qwen3Con
 def analytic_estimate(config: ml_collections.ConfigDict, mesh, target: Qwen3Config,
                       head: HeadConfig, state, target_params) -> dict[str, int]:
   """Per-device bytes of the step's big parts, by formula (what dominates, not an exact sum)."""
-  b = config.train.batch_size // mesh.size
-  length, anchors, depth = config.data.seq_len, config.train.num_anchors, head.depth
+  t = config.train
+  b = t.batch_size // mesh.size
+  length, anchors, depth = config.data.seq_len, t.num_anchors, head.depth
   rows = anchors * head.block_size  # packed block rows of the head forward
   keys = length + rows  # context slots + block slots
   compute = jnp.dtype(cli.parse_dtype(config.head.dtype)).itemsize
   frozen = jnp.dtype(cli.parse_dtype(config.target.dtype)).itemsize
   head_bytes = per_device_bytes(state.head_params)
-  full_target = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target_params))
+  layer_bytes = max(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
+                    for name, layer in target_params.items() if name.startswith("layers_"))
+  loss_chunk = min(t.loss_chunk_anchors or anchors, anchors)
+  heads = head.num_attention_heads
+  if t.head_attention == "pallas":  # the kernel keeps a tile of scores, never the matrix
+    attention = {}
+  elif t.head_attention == "split" and 0 < t.attention_chunk_anchors < anchors:
+    chunk_rows = t.attention_chunk_anchors * head.block_size
+    # One chunk of one layer at a time; its scores, probabilities and their gradient.
+    attention = {"head attention, one anchor chunk (3 x [b,N,chunk*block,T+block] f32)":
+                 3 * b * heads * chunk_rows * (length + head.block_size) * 4}
+  else:
+    attention = {"head attention probs, all layers ([b,N,A*block,T+A*block] f32)":
+                 head.num_layers * b * heads * rows * keys * 4}
   return {
-      "frozen target, sharded (argument)": per_device_bytes(target_params),
-      "frozen target, one unsharded copy (if gathered at once)": full_target,
+      "frozen target, split (argument)": per_device_bytes(target_params),
+      "frozen target, the largest layer gathered for use": layer_bytes,
       "head params, float32": head_bytes,
       "optimizer state (Adam mu, nu)": per_device_bytes(state.opt_state),
       "head gradients, float32": head_bytes,
-      "logits: teacher, draft, draft grad (3 x [b,A,k,V] f32)":
-          3 * b * anchors * depth * target.vocab_size * 4,
-      "head attention probs, all layers ([b,N,A*block,T+A*block] f32)":
-          head.num_layers * b * head.num_attention_heads * rows * keys * 4,
+      "logits of one loss chunk: teacher, draft, draft grad (3 x [b,chunk,k,V] f32)":
+          3 * b * loss_chunk * depth * target.vocab_size * 4,
+      **attention,
       "head MLP and residual activations, all layers":
           head.num_layers * b * rows * (3 * head.intermediate_size + 4 * head.hidden_size)
           * compute,
@@ -93,6 +107,27 @@ def analytic_estimate(config: ml_collections.ConfigDict, mesh, target: Qwen3Conf
       "target taps ([b,T,taps,D]) and head K/V caches (L x 2 x [b,T+A*block,K,H])":
           b * length * head.num_taps * target.hidden_size * frozen
           + head.num_layers * 2 * b * keys * head.num_key_value_heads * head.head_dim * compute,
+  }
+
+
+def _mesh_axes(entry) -> list[str]:
+  return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+
+
+def placement(mesh, target: Qwen3Config, target_params) -> dict:
+  """Which mesh axes the batch rows, the logits and the frozen target's parameters split over
+  (every activation of the step keeps its rows as the batch's: `sharding.activation_layout`)."""
+  rows = partitioning.spec(("batch",), RULES, mesh)
+  logits = partitioning.spec(("batch", "vocab"), RULES, mesh, (None, target.vocab_size))
+  leaves = jax.tree.leaves(target_params)
+  nbytes = lambda xs: sum(x.size * x.dtype.itemsize for x in xs)
+  return {
+      "rows": _mesh_axes(rows[0] if rows else None),
+      "logits_rows": _mesh_axes(logits[0] if logits else None),
+      "logits_vocab": _mesh_axes(logits[1] if logits else None),
+      "target_params_bytes": nbytes(leaves),
+      "target_params_split_bytes": nbytes(
+          x for x in leaves if x.sharding.shard_shape(x.shape) != x.shape),
   }
 
 
@@ -132,12 +167,13 @@ def memory_report(config: ml_collections.ConfigDict, limit: int = 16, num_proces
   t = config.train
   check_batch(mesh, t.batch_size, num_processes=num_processes)
   # The schedule's length does not change any shape; any positive step count compiles the same.
-  optimizer, _, train_step = build_train_step(config, head, target, max(t.num_steps, 1000))
+  optimizer, _, train_step = build_train_step(config, head, target, max(t.num_steps, 1000), mesh)
   state, target_params, *row_arrays = abstract_arguments(config, mesh, target, head, optimizer)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as dump_dir:
     compiled = train_step.lower(state, target_params, *row_arrays).compile(
-        compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
+        compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True,
+                          **memory_analysis.SIZING_OPTIONS})
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     buffers = read_buffers(dump_dir, compiled.as_text(), target_params, limit,
@@ -170,6 +206,7 @@ def memory_report(config: ml_collections.ConfigDict, limit: int = 16, num_proces
       "f32_copies_of_bf16_params_bytes": sum(b["bytes"] for b in buffers["largest_buffers"]
                                              if b["f32_copy_of_bf16_param"]),
       "estimate_bytes": analytic_estimate(config, mesh, target, head, state, target_params),
+      "placement": placement(mesh, target, target_params),
   }
 
 
@@ -196,6 +233,15 @@ def format_report(report: dict) -> str:
              else "fsdp groups span processes: the target's all-gathers cross the network")
     lines.append(f"job: {r['num_processes']} processes x {per_host} devices, "
                  f"{r['batch_per_process']} rows of each batch per process; {where}")
+  where = r["placement"]
+  ways = lambda axes: " x ".join(f"{a} ({r['mesh'][a]})" for a in axes) or "nothing (replicated)"
+  lines += [
+      f"placement: rows of the batch and of every activation over {ways(where['rows'])}; "
+      f"logits: rows over {ways(where['logits_rows'])}, vocabulary over "
+      f"{ways(where['logits_vocab'])}; frozen target: "
+      f"{where['target_params_split_bytes'] / max(where['target_params_bytes'], 1):.1%} of its "
+      f"bytes split over {ways(['fsdp'])}",
+  ]
   lines += [
       "",
       "XLA memory analysis, per device:",

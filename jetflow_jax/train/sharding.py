@@ -18,12 +18,17 @@ from jetflow_jax.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
 RULES: partitioning.Rules = {
+    # The vocabulary first: the embedding and the LM head split by token over fsdp, and logits
+    # by vocabulary over fsdp with their rows over data. The LM head then never gathers (the
+    # loss's softmax sums meet across fsdp instead), and an embedding lookup reads its own rows.
+    "vocab": "fsdp",
+    # Every other activation splits its rows over data x fsdp (`partitioning.Layout` pins them).
     "batch": BATCH_AXES,
-    # A parameter splits over fsdp along its model width where fsdp divides it, else along the
-    # first of these axes it divides (replicated when none): fsdp gathers each parameter whole
-    # before use, so the axis only decides which parameters split evenly. A model-width split
-    # is also a run of whole HF rows or columns, so a sharded load reads just its bytes.
-    "embed": "fsdp", "vocab": "fsdp", "mlp": "fsdp", "experts": "fsdp", "taps": "fsdp",
+    # Any other parameter splits over fsdp along its model width where fsdp divides it, else
+    # along the first of these axes it divides (replicated when none); it is gathered whole for
+    # use, so the axis only decides which parameters split evenly. A model-width split is also a
+    # run of whole HF rows or columns, so a sharded load reads just its bytes.
+    "embed": "fsdp", "mlp": "fsdp", "experts": "fsdp", "taps": "fsdp",
     "q_heads": "fsdp", "kv_heads": "fsdp",
 }
 
@@ -54,6 +59,11 @@ def param_sharding(mesh: Mesh, tree):
   """Each parameter of `tree` (params, or a train state holding them) split over `fsdp` as
   `RULES` say; scalars replicated."""
   return partitioning.shardings(mesh, partitioning.param_specs(tree, RULES, mesh))
+
+
+def activation_layout(mesh: Mesh) -> partitioning.Layout:
+  """The train step's activations on `mesh`: rows over data x fsdp, logits' vocabulary over fsdp."""
+  return partitioning.Layout(mesh, RULES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

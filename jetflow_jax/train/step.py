@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -15,7 +14,8 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.head import training_hidden
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.masks import packed_causal_mask, segment_starts
-from jetflow_jax.model import forward, lm_logits
+from jetflow_jax.model import forward_by_layer, lm_logits
+from jetflow_jax.partitioning import Layout
 from jetflow_jax.train.losses import depth_sums, depth_weights, mean_of_sums
 
 
@@ -35,6 +35,7 @@ class LossConfig:
   chunk_anchors: int = 32  # anchors per LM-head and loss chunk; 0: all at once
   head_dtype: Any = jnp.float32
   head_attention: str = "split"  # see head.training_hidden
+  attention_chunk_anchors: int = 64  # anchors whose head attention scores exist at once; 0: all
   remat: str = "none"
   target_experts: str = "blocked"  # the MoE target's grouped matmuls: see moe.MoE
 
@@ -98,12 +99,14 @@ class DistillLoss:
   Returns (loss, aux). `segment_ids` marks the samples of packed rows (equal ids:
   one sample, contiguous); without it each row is one sample. `prepare` (the frozen
   target's pass and the anchors) needs no gradient; `at_anchors` is the part to
-  differentiate, with respect to `head_params` only.
+  differentiate, with respect to `head_params` only. `layout` pins the activations to the
+  train step's mesh (rows over its batch axes); the default leaves placement to XLA.
   """
 
   head_config: HeadConfig
   target_config: Qwen3Config
   config: LossConfig
+  layout: Layout = Layout()
 
   def __call__(self, head_params, target_params, tokens_bt, loss_mask_bt, rng,
                segment_ids_bt=None):
@@ -121,9 +124,10 @@ class DistillLoss:
       starts_bt = segment_starts(segment_ids_bt)
       positions_bt = jnp.arange(tokens_bt.shape[1], dtype=jnp.int32) - starts_bt
       mask_bts = packed_causal_mask(starts_bt)
-    hidden_btd, _, taps_btld = forward(target_params, self.target_config, tokens_bt,
-                                       positions_bt=positions_bt, mask_bts=mask_bts,
-                                       tap_layers=tap_layers, experts=self.config.target_experts)
+    hidden_btd, taps_btld = forward_by_layer(
+        target_params, self.target_config, self.layout.rows(tokens_bt), positions_bt=positions_bt,
+        mask_bts=mask_bts, tap_layers=tap_layers, experts=self.config.target_experts,
+        layout=self.layout)
     target = TargetPass(*jax.lax.stop_gradient((hidden_btd, taps_btld)), starts_bt)
     return (target, *sample_anchors(rng, loss_mask_bt, self.config.num_anchors, starts_bt))
 
@@ -146,11 +150,16 @@ class DistillLoss:
     draft_bakd = training_hidden(head_params, self.head_config, target_params, self.target_config,
                                  target.taps_btld, tokens_bt, anchors_ba, self.config.head_dtype,
                                  segment_starts_bt=starts_bt,
-                                 attention=self.config.head_attention, remat=self.config.remat)
+                                 attention=self.config.head_attention,
+                                 attention_chunk=self.config.attention_chunk_anchors,
+                                 remat=self.config.remat,
+                                 rows=self.layout.rows)
 
     def chunk_sums(draft_bckd, teacher_bckd, labels_bck, valid_bck):
-      # Vocabulary-wide logits exist one chunk of anchors at a time.
-      logits = functools.partial(lm_logits, target_params, self.target_config)
+      # Vocabulary-wide logits exist one chunk of anchors at a time, split as the layout says.
+      def logits(hidden_bckd):
+        logits_bckv = lm_logits(target_params, self.target_config, self.layout.rows(hidden_bckd))
+        return self.layout(logits_bckv, ("batch", None, None, "vocab"))
       return depth_sums(self.config.kind, logits(draft_bckd), logits(teacher_bckd), labels_bck,
                         valid_bck, self.config.temperature)
 
@@ -169,12 +178,13 @@ class DistillLoss:
 
 
 def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
-                 loss: LossConfig) -> DistillLoss:
+                 loss: LossConfig, layout: Layout = Layout()) -> DistillLoss:
   """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng[, segment_ids_bt])`.
 
   Returns (loss, aux). Only `head_params` is meant to be differentiated; the target is frozen.
+  `layout` (`train.sharding.activation_layout(mesh)`) pins the activations to a mesh.
   """
-  return DistillLoss(head_config, target_config, loss)
+  return DistillLoss(head_config, target_config, loss, layout)
 
 
 def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformation,
