@@ -20,8 +20,9 @@ from jetflow_jax import cli
 from jetflow_jax.engine.flags import add_engine_flags, check_engine_flags, engine_from_flags
 from jetflow_jax.errors import InputError
 from jetflow_jax.pair import add_model_flags, pair_from_flags
-from jetflow_jax.serve.app import Server, create_app
+from jetflow_jax.serve.app import create_app
 from jetflow_jax.serve.guard import KEY_ENVS, is_loopback, key_from_env
+from jetflow_jax.serve.server import Server
 from jetflow_jax.text import load_tokenizer
 
 

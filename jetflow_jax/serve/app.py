@@ -8,7 +8,8 @@ A client that goes away cancels its request, so its slots free for the next one;
 request past its deadline (`request_timeout`), answered with a 504 or an error event. Until the
 engine has compiled every variant, /health answers 503 (warming up) while requests wait. A
 shutdown signal keeps the socket open through a grace period (new requests: 503) while running
-requests finish; those still running at its end get an error their client can read.
+requests finish; those still running at its end get an error their client can read (the
+server, `server.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import random
 import sys
@@ -25,7 +25,6 @@ import time
 from typing import AsyncIterator, Sequence
 
 import numpy as np
-import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -46,10 +45,7 @@ from jetflow_jax.serve.service import Service, TimedOut, Unavailable
 from jetflow_jax.serve.textstream import TextStream
 from jetflow_jax.text import chat_text, detokenizer
 
-GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cut
-GRACE_ENV = "JETFLOW_SHUTDOWN_GRACE_S"  # overrides GRACE_S (seconds)
 WARM_UP_ENV = "JETFLOW_WARM_UP"  # 0: compile on demand instead of at start-up
-CUT_S = 5  # how long requests cut at the grace's end get to send their error
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the slot's room
 # Below this a temperature samples as greedy: float32 logits divided by a smaller one can
 # overflow, and the distribution is the argmax to that precision anyway.
@@ -378,20 +374,6 @@ async def stream(choices: list[Choice], reply: Reply, counts) -> AsyncIterator[s
   yield "data: [DONE]\n\n"
 
 
-def grace_seconds() -> float:
-  """The shutdown grace: GRACE_S, or $JETFLOW_SHUTDOWN_GRACE_S if set."""
-  value = os.environ.get(GRACE_ENV)
-  if value is None:
-    return GRACE_S
-  try:
-    seconds = float(value)
-    if not 0 <= seconds < math.inf:
-      raise ValueError(value)
-  except ValueError:
-    raise InputError(f"{GRACE_ENV} must be a number of seconds >= 0 (got {value!r})") from None
-  return seconds
-
-
 def warm_up_default() -> bool:
   """Whether a server warms up: $JETFLOW_WARM_UP (1 or 0), on if unset."""
   value = os.environ.get(WARM_UP_ENV, "1")
@@ -399,37 +381,3 @@ def warm_up_default() -> bool:
     raise InputError(f"{WARM_UP_ENV} must be 1 (compile every variant at start-up) or 0 "
                      f"(compile on demand) (got {value!r})")
   return value == "1"
-
-
-class Server(uvicorn.Server):
-  """uvicorn for an app of `create_app`: a shutdown signal turns new requests away (503) while
-  it still listens, lets running ones finish for `grace_s` seconds, then cuts those left with
-  an error (a 503, or an error event ending the stream) and closes."""
-
-  def __init__(self, app: FastAPI, host: str, port: int, grace_s: float | None = None):
-    super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=CUT_S))
-    self.service: Service = app.state.service
-    self.grace_s = grace_seconds() if grace_s is None else grace_s
-
-  def handle_exit(self, sig, frame) -> None:
-    self.service.draining = True
-    super().handle_exit(sig, frame)
-
-  async def shutdown(self, sockets=None) -> None:
-    await self._drain()
-    await super().shutdown(sockets)  # stops listening, closes idle connections, ends the app
-
-  async def _drain(self) -> None:
-    """Returns once no request runs; cuts the ones still running after the grace."""
-    self.service.draining = True
-    running = lambda: self.server_state.tasks and not self.force_exit
-    deadline = time.monotonic() + self.grace_s
-    while running() and time.monotonic() < deadline:
-      await asyncio.sleep(0.05)
-    if running():
-      self.service.cut(f"the server is shutting down: the request did not finish within the "
-                       f"{self.grace_s:g} s grace")
-      deadline = time.monotonic() + CUT_S
-      while running() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
