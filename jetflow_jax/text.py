@@ -22,12 +22,16 @@ def load_tokenizer(directory: str):
   return AutoTokenizer.from_pretrained(directory)
 
 
+def chat_text(tokenizer, messages: list[dict]) -> str:
+  """A conversation in the chat template, ready for the assistant's turn."""
+  # Qwen3's template takes enable_thinking; other templates ignore unknown arguments.
+  return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+
+
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
   """Token ids of a conversation in the chat template, ready for the assistant's turn."""
-  # Qwen3's template takes enable_thinking; other templates ignore unknown arguments.
-  text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                       enable_thinking=False)
-  return tokenizer.encode(text, add_special_tokens=False)
+  return tokenizer.encode(chat_text(tokenizer, messages), add_special_tokens=False)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

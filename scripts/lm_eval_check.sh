@@ -30,8 +30,10 @@ fi
 TARGET=$($PY -c 'from jetflow_jax import embedded; print(embedded.default_target())')
 PORT=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
-$PY -m jetflow_jax.serve --method "$METHOD" --slots 4 --max-context 512 --port "$PORT" \
-    > "$WORK/server.log" 2>&1 &
+# The server requires a key, as one others reach would; lm_eval sends $OPENAI_API_KEY.
+KEY=$($PY -c 'import secrets; print(secrets.token_hex(16))')
+JETFLOW_API_KEY=$KEY $PY -m jetflow_jax.serve --method "$METHOD" --slots 4 --max-context 512 \
+    --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2> /dev/null; wait $SERVER 2> /dev/null || true' EXIT
 echo "server (pid $SERVER, $METHOD) warming up on $URL; log: $WORK/server.log"
@@ -51,7 +53,7 @@ while True:
 PYTHON
 
 rm -rf "$WORK/out"
-"$VENV/bin/lm_eval" --model local-completions \
+OPENAI_API_KEY=$KEY "$VENV/bin/lm_eval" --model local-completions \
     --model_args "base_url=$URL/v1/completions,model=jetflow-embedded,tokenizer=$TARGET,tokenizer_backend=huggingface,max_length=512,num_concurrent=1,max_retries=1" \
     --tasks jetflow_mc,jetflow_gen --include_path scripts/lm_eval \
     --output_path "$WORK/out" --log_samples

@@ -34,6 +34,7 @@ from jetflow_jax.engine import Orchestrator, Request, make_engine
 from jetflow_jax.head_checkpoint import load_head
 from jetflow_jax.serve import Server, create_app
 from jetflow_jax.serve.__main__ import main as serve_main
+from jetflow_jax.serve.guard import KEY_ENVS
 from jetflow_jax.serve.textstream import TextStream
 from jetflow_jax.text import detokenizer, encode_chat, load_tokenizer, stop_end
 from multiprocess import free_port
@@ -90,6 +91,11 @@ def settle(url: str) -> dict:
     time.sleep(0.1)
 
 
+def without_keys(env: dict) -> dict:
+  """`env` without the API keys a server would take from it (an operator's shell may set one)."""
+  return {k: v for k, v in env.items() if k not in KEY_ENVS}
+
+
 class Subprocess:
   """`python -m jetflow_jax.serve` on a free port; `url` waits until it answers (`warming`: the
   bodies of the 503s /health gave meanwhile)."""
@@ -101,7 +107,8 @@ class Subprocess:
     with open(log_path, "w") as log:
       self.process = subprocess.Popen(
           [sys.executable, "-m", "jetflow_jax.serve", *flags, "--port", str(self.port)],
-          cwd=ROOT, env={**CLI_ENV, **env}, stdout=log, stderr=subprocess.STDOUT)
+          cwd=ROOT, env={**without_keys(CLI_ENV), **env}, stdout=log,
+          stderr=subprocess.STDOUT)
 
   def stop(self) -> None:
     if self.process.poll() is None:
@@ -330,7 +337,9 @@ def test_text_stream_holds_back_half_characters_and_stop_string_starts(tokenizer
   text = TextStream(chars, stop=["xyz"])  # the end releases what a stop string never took
   assert [push(text, "ax"), text.push([], final=True), text.stopped] == ["a", "x", False]
 
-BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
+# Under the body limit (1 MiB) and over what a slot could hold (128 tokens of <= 64 characters):
+# refused on its first 8,192 characters' tokens.
+BIG = "def f(x):\n    return x\n" * 30_000  # 720 KB
 
 
 @pytest.mark.parametrize("path,body,status,message,param", [
@@ -341,7 +350,10 @@ BIG = "def f(x):\n    return x\n" * 44_000  # a 1 MB prompt
     ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ("completions", {"prompt": list(range(100)), "max_tokens": 64}, 400,
      "a prompt of 100 tokens plus max_tokens 64 exceeds the engine's context of 128", None),
-    ("completions", {"prompt": BIG}, 400, r"a prompt of \d{6} tokens", None),
+    ("completions", {"prompt": BIG}, 400, r"prompt: a prompt of more than \d{4} tokens \(its "
+     r"first 8192 characters\) exceeds the engine's context of 128", "prompt"),
+    ("completions", {"prompt": BIG[:2000]}, 400,
+     r"a prompt of \d{3} tokens plus max_tokens 16 exceeds the engine's context of 128", None),
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
     ("completions", {"prompt": "x", "temperature": 2.5}, 400, "less than or equal to 2",
      "temperature"),
@@ -657,7 +669,16 @@ def test_a_draining_server_refuses_new_requests(local):
     (["--port", "http"], "error: argument --port: invalid int value: 'http'"),
     (["--mesh", "zz=2"], "error: --mesh: unknown axis 'zz' in 'zz=2'; axes are data, tp, ep"),
     (["--mesh", "data=4", "--slots", "2"],
-     "error: 2 slots do not split over the mesh's 4 data-parallel copies")])
+     "error: 2 slots do not split over the mesh's 4 data-parallel copies"),
+    (["--api-key", ""], "error: --api-key must not be empty"),
+    (["--served-model-name"], "error: argument --served-model-name: expected at least one "
+     "argument"),
+    (["--served-model-name", "a", ""], "error: --served-model-name must not be empty"),
+    (["--max-request-bytes", "0"], "error: --max-request-bytes must be >= 1 (got 0)"),
+    (["--request-timeout", "0"], "error: --request-timeout must be a number of seconds > 0 "
+     "(got 0)"),
+    (["--request-timeout", "inf"], "error: --request-timeout must be a number of seconds > 0 "
+     "(got inf)")])
 def test_bad_flags_give_one_error_line_and_exit_2(capsys, flags, message):
   with pytest.raises(SystemExit) as exit_:
     serve_main(flags)

@@ -1,27 +1,30 @@
 """The FastAPI app: OpenAI routes over a `Service`, errors in OpenAI's shape, and its server.
 
 Every request is validated before it reaches the engine (a 400 names what is wrong); each of its
-choices (prompts x n, or best_of) is a job of its own in the engine. A client that goes away
-cancels its request, so its slots free for the next one. Until the engine has compiled every
-variant, /health answers 503 (warming up) while requests wait. A shutdown signal keeps the
-socket open through a grace period (new requests: 503) while running requests finish; those
-still running at its end get an error their client can read.
+choices (prompts x n, or best_of) is a job of its own in the engine. What costs nothing to check
+goes first: the API key and the body's size (`guard.py`), then the lengths of token-id prompts;
+text longer than the context could hold is refused on its head's tokens, never tokenized whole.
+A client that goes away cancels its request, so its slots free for the next one; so does a
+request past its deadline (`request_timeout`), answered with a 504 or an error event. Until the
+engine has compiled every variant, /health answers 503 (warming up) while requests wait. A
+shutdown signal keeps the socket open through a grace period (new requests: 503) while running
+requests finish; those still running at its end get an error their client can read (the
+server, `server.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-import math
 import os
 import random
 import sys
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import numpy as np
-import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -34,17 +37,15 @@ from jetflow_jax import compile_cache
 from jetflow_jax.engine import Engine, Request
 from jetflow_jax.errors import InputError
 from jetflow_jax.serve.choices import Choice, Piece, TokenTexts
+from jetflow_jax.serve.guard import LimitBody, RequireKey, default_max_request_bytes
 from jetflow_jax.serve.metrics import CountRequests, Metrics
 from jetflow_jax.serve.protocol import (ChatRequest, CompletionRequest, GenerationParams, Reply,
                                         error_body, usage)
-from jetflow_jax.serve.service import Service, Unavailable
+from jetflow_jax.serve.service import Service, TimedOut, Unavailable
 from jetflow_jax.serve.textstream import TextStream
-from jetflow_jax.text import detokenizer, encode_chat
+from jetflow_jax.text import chat_text, detokenizer
 
-GRACE_S = 20  # after a shutdown signal, running requests get this long before they are cut
-GRACE_ENV = "JETFLOW_SHUTDOWN_GRACE_S"  # overrides GRACE_S (seconds)
 WARM_UP_ENV = "JETFLOW_WARM_UP"  # 0: compile on demand instead of at start-up
-CUT_S = 5  # how long requests cut at the grace's end get to send their error
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the slot's room
 # Below this a temperature samples as greedy: float32 logits divided by a smaller one can
 # overflow, and the distribution is the argmax to that precision anyway.
@@ -118,15 +119,24 @@ async def unless_disconnected(request: HTTPRequest, work):
   return task.result() if task in done else None
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, *,
-               warm_up: bool | None = None) -> FastAPI:
-  """The OpenAI-compatible app serving `engine` as `model_name`; it runs the engine while up.
+def create_app(engine: Engine, tokenizer, model_name: str | Sequence[str], *,
+               warm_up: bool | None = None, api_keys: Sequence[str] = (),
+               max_request_bytes: int | None = None,
+               request_timeout: float | None = None) -> FastAPI:
+  """The OpenAI-compatible app serving `engine` as `model_name` (or each of several names, the
+  first one in answers); it runs the engine while up.
 
   With `warm_up` (default: $JETFLOW_WARM_UP, on unless 0), the engine compiles every variant a
   request can reach before it takes one (progress on stderr); JAX's persistent compilation
-  cache (`compile_cache`) keeps them for the next start.
+  cache (`compile_cache`) keeps them for the next start. With `api_keys`, /v1 routes need one
+  of them as a bearer token (401). A body over `max_request_bytes` (default:
+  `guard.default_max_request_bytes` of the engine's context) is a 413. A request not done
+  `request_timeout` seconds after it arrived is ended (504, or an error event) and its slots
+  freed.
   """
   compile_cache.enable()
+  names = [model_name] if isinstance(model_name, str) else list(model_name)
+  served = ", ".join(map(repr, names))
   metrics = Metrics()
   service = Service(engine, metrics, warm_up_default() if warm_up is None else warm_up,
                     log=lambda line: print(line, file=sys.stderr, flush=True))
@@ -140,8 +150,17 @@ def create_app(engine: Engine, tokenizer, model_name: str, *,
 
   app = FastAPI(title="jetflow_jax", lifespan=lifespan)
   app.state.service = service
+  # Added innermost first: counting sees every refusal, the key is checked before any body.
+  app.add_middleware(LimitBody, max_bytes=max_request_bytes
+                     or default_max_request_bytes(engine.max_context))
+  if api_keys:
+    app.add_middleware(RequireKey, keys=api_keys)
   app.add_middleware(CountRequests, metrics=metrics)
   decode = detokenizer(tokenizer)
+  # A text of more characters than this holds more tokens than the context, whatever its
+  # tokens: only this much of it is tokenized to show it (byte-level vocabularies spell a
+  # token with a character per byte, so its length bounds its text's).
+  max_chars = engine.max_context * max(map(len, tokenizer.get_vocab()))
 
   @app.exception_handler(RequestValidationError)
   async def invalid(_, e: RequestValidationError):
@@ -167,8 +186,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *,
     return error(400, str(e))
 
   @app.exception_handler(Unavailable)
-  async def unavailable(_, e: Unavailable):
-    return error(503, str(e))
+  @app.exception_handler(TimedOut)
+  async def unavailable(_, e: Unavailable | TimedOut):
+    return error(e.status, str(e))
 
   @app.exception_handler(Exception)
   async def internal(_, e: Exception):
@@ -188,58 +208,79 @@ def create_app(engine: Engine, tokenizer, model_name: str, *,
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                        "owned_by": "jetflow_jax"}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                        "owned_by": "jetflow_jax"} for name in names]}
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: HTTPRequest):
+    deadline = due()
     check(body)
-    prompts = [p if isinstance(p, list)
-               else await tokenized("prompt", tokenizer.encode, p, add_special_tokens=False)
-               for p in body.prompt]
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    for p in body.prompt:  # token ids too long for a slot: refused before any text is encoded
+      if isinstance(p, list):
+        engine.check(Request(p, max(max_tokens, 1)))
+    prompts = [p if isinstance(p, list) else await tokenized("prompt", p) for p in body.prompt]
     echoes = ([p if isinstance(p, str) else decode(p) for p in body.prompt] if body.echo
               else [None] * len(prompts))
     return await respond(
-        request, body, Reply(model_name, chat=False), prompts,
-        DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens, echoes=echoes,
-        logprobs=body.logprobs, best_of=body.best_of)
+        request, body, Reply(names[0], chat=False), prompts, max_tokens, deadline,
+        echoes=echoes, logprobs=body.logprobs, best_of=body.best_of)
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: HTTPRequest):
+    deadline = due()
     check(body)
     if not getattr(tokenizer, "chat_template", None):
-      raise APIError(400, f"the tokenizer of {model_name} has no chat template; use "
+      raise APIError(400, f"the tokenizer of {names[0]} has no chat template; use "
                      "/v1/completions with a prompt instead", param="messages")
-    prompt = await tokenized("messages", encode_chat, tokenizer,
-                             [{"role": m.role, "content": m.content} for m in body.messages])
+    text = await in_thread("messages", chat_text, tokenizer,
+                           [{"role": m.role, "content": m.content} for m in body.messages])
+    prompt = await tokenized("messages", text)
     room = max(engine.max_context - len(prompt), 1)  # too long a prompt: check names its length
-    return await respond(request, body, Reply(model_name, chat=True), [prompt],
-                         body.max_completion_tokens or body.max_tokens or room,
+    return await respond(request, body, Reply(names[0], chat=True), [prompt],
+                         body.max_completion_tokens or body.max_tokens or room, deadline,
                          logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
-  async def tokenized(field: str, encode, *args, **kwargs) -> list[int]:
-    """Token ids of a request's text; what the tokenizer (or chat template) refuses is a 400."""
+  def due() -> float | None:
+    """When a request arriving now must be done (monotonic seconds), None without a timeout."""
+    return None if request_timeout is None else time.monotonic() + request_timeout
+
+  async def tokenized(field: str, text: str) -> list[int]:
+    """Token ids of a request's text; one too long for the context is refused on its head's."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    if len(text) > max_chars:
+      head = await in_thread(field, encode, text[:max_chars])
+      if len(head) >= engine.max_context:
+        raise APIError(400, f"{field}: a prompt of more than {len(head)} tokens (its first "
+                       f"{max_chars} characters) exceeds the engine's context of "
+                       f"{engine.max_context} tokens per slot", param=field)
+    return await in_thread(field, encode, text)
+
+  async def in_thread(field: str, encode, *args):
+    """`encode(*args)` off the event loop; what the tokenizer (or chat template) refuses is a
+    400."""
     try:
-      return await asyncio.to_thread(encode, *args, **kwargs)
+      return await asyncio.to_thread(encode, *args)
     except Exception as e:  # the tokenizer's own errors are of any type: TypeError, jinja's
       raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__}: {e})",
                      param=field) from None
 
   def check(body: GenerationParams) -> None:
     """The model, and what spans fields (`refusal`)."""
-    if body.model not in (None, model_name):
+    if body.model is not None and body.model not in names:
       raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                     f"{model_name!r}", param="model", code="model_not_found")
+                     f"{served}", param="model", code="model_not_found")
     if refused := body.refusal():
       raise APIError(400, refused[1], param=refused[0])
 
   async def respond(request: HTTPRequest, body: GenerationParams, reply: Reply,
-                    prompts: list[list[int]], max_tokens: int, *,
+                    prompts: list[list[int]], max_tokens: int, deadline: float | None, *,
                     echoes: list[str | None] | None = None, logprobs: int | None = None,
                     best_of: int | None = None):
-    """Every prompt's choices through the engine, whole or streamed. `max_tokens` 0 runs one
-    token and drops it (echo: the prompt alone); `logprobs` alternatives per token (None: no
-    log-probabilities); `best_of` > n ranks that many by mean log-probability."""
+    """Every prompt's choices through the engine, whole or streamed, cut at `deadline`.
+    `max_tokens` 0 runs one token and drops it (echo: the prompt alone); `logprobs`
+    alternatives per token (None: no log-probabilities); `best_of` > n ranks that many by mean
+    log-probability."""
     n = body.n or 1
     best_of = best_of or n
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -261,7 +302,20 @@ def create_app(engine: Engine, tokenizer, model_name: str, *,
                for k, job in enumerate(jobs)]
     counts = lambda: usage(sum(map(len, prompts)), sum(len(c.tokens) for c in choices))
 
+    def expire() -> None:
+      running = [job for job in jobs if not job.ended]
+      if running:
+        metrics.timeouts.inc()
+      for job in running:
+        job.cut(TimedOut(f"the request did not finish within the server's request timeout of "
+                         f"{request_timeout:g} s (--request-timeout)"))
+
+    timer = (None if deadline is None else
+             asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0), expire))
+
     def cancel() -> None:
+      if timer is not None:
+        timer.cancel()
       for job in jobs:
         job.cancel()
 
@@ -310,27 +364,14 @@ async def stream(choices: list[Choice], reply: Reply, counts) -> AsyncIterator[s
     async for index, piece in merged(choices):
       shown = piece.logprobs if choices[index].show_logprobs else None
       yield event(reply.chunk(index, piece.text, piece.finish_reason, logprobs=shown))
-  except Unavailable as e:  # an error event, then the stream's usual end: clients read both
-    yield event(error_body(str(e), 503))
+  except (Unavailable, TimedOut) as e:  # an error event, then the stream's usual end: clients
+    # read both (the openai client raises the error)
+    yield event(error_body(str(e), e.status))
     yield "data: [DONE]\n\n"
     return
   if counts is not None:
     yield event(reply.usage_chunk(counts()))
   yield "data: [DONE]\n\n"
-
-
-def grace_seconds() -> float:
-  """The shutdown grace: GRACE_S, or $JETFLOW_SHUTDOWN_GRACE_S if set."""
-  value = os.environ.get(GRACE_ENV)
-  if value is None:
-    return GRACE_S
-  try:
-    seconds = float(value)
-    if not 0 <= seconds < math.inf:
-      raise ValueError(value)
-  except ValueError:
-    raise InputError(f"{GRACE_ENV} must be a number of seconds >= 0 (got {value!r})") from None
-  return seconds
 
 
 def warm_up_default() -> bool:
@@ -340,37 +381,3 @@ def warm_up_default() -> bool:
     raise InputError(f"{WARM_UP_ENV} must be 1 (compile every variant at start-up) or 0 "
                      f"(compile on demand) (got {value!r})")
   return value == "1"
-
-
-class Server(uvicorn.Server):
-  """uvicorn for an app of `create_app`: a shutdown signal turns new requests away (503) while
-  it still listens, lets running ones finish for `grace_s` seconds, then cuts those left with
-  an error (a 503, or an error event ending the stream) and closes."""
-
-  def __init__(self, app: FastAPI, host: str, port: int, grace_s: float | None = None):
-    super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=CUT_S))
-    self.service: Service = app.state.service
-    self.grace_s = grace_seconds() if grace_s is None else grace_s
-
-  def handle_exit(self, sig, frame) -> None:
-    self.service.draining = True
-    super().handle_exit(sig, frame)
-
-  async def shutdown(self, sockets=None) -> None:
-    await self._drain()
-    await super().shutdown(sockets)  # stops listening, closes idle connections, ends the app
-
-  async def _drain(self) -> None:
-    """Returns once no request runs; cuts the ones still running after the grace."""
-    self.service.draining = True
-    running = lambda: self.server_state.tasks and not self.force_exit
-    deadline = time.monotonic() + self.grace_s
-    while running() and time.monotonic() < deadline:
-      await asyncio.sleep(0.05)
-    if running():
-      self.service.cut(f"the server is shutting down: the request did not finish within the "
-                       f"{self.grace_s:g} s grace")
-      deadline = time.monotonic() + CUT_S
-      while running() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)

@@ -45,7 +45,8 @@ class Compiles:
 
 
 class Metrics:
-  """Requests by endpoint and status, tokens, tau, the queue, the slots, step times and compiles."""
+  """Requests by endpoint and status, timeouts, tokens, tau, the queue, the slots, step times and
+  compiles."""
 
   def __init__(self):
     self.registry = CollectorRegistry()
@@ -62,6 +63,8 @@ class Metrics:
                      "finished requests", registry=r)
     self.queue_depth = Gauge("jetflow_queue_depth", "requests waiting for a slot", registry=r)
     self.active_slots = Gauge("jetflow_active_slots", "slots holding a request", registry=r)
+    self.timeouts = Counter("jetflow_request_timeouts", "requests ended by --request-timeout, "
+                            "queued or decoding", registry=r)
     self.step_seconds = Histogram(
         "jetflow_step_seconds", "one engine step (rounds_per_step rounds) as the host loop sees it",
         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)

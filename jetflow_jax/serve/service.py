@@ -31,6 +31,14 @@ from jetflow_jax.serve.metrics import Metrics
 class Unavailable(Exception):
   """The service takes no requests: it is shutting down, or its engine failed."""
 
+  status = 503
+
+
+class TimedOut(Exception):
+  """A request still queued or decoding when its deadline passed."""
+
+  status = 504
+
 
 class Job:
   """One request in the service: its pieces arrive on the loop that submitted it."""
@@ -55,19 +63,19 @@ class Job:
       kind, value = await self._events.get()
       if kind == "error":
         self.ended = True
-        raise Unavailable(value)
+        raise value
       if kind == "done":
         self.finish_reason, self.ended = value, True
         return
       yield value
 
-  def cut(self, message: str) -> None:
-    """From its event loop: ends the pieces now with Unavailable(`message`), freeing the slot."""
+  def cut(self, error: Exception) -> None:
+    """From its event loop: ends the pieces now with `error` (raised), freeing the slot."""
     self.cancel()
-    self._events.put_nowait(("error", message))
+    self._events.put_nowait(("error", error))
 
   def post(self, kind: str, value) -> None:
-    """From the engine thread: ("tokens", piece), ("done", reason) or ("error", message)."""
+    """From the engine thread: ("tokens", piece), ("done", reason) or ("error", exception)."""
     try:
       self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
     except RuntimeError:  # the loop has closed: nobody is listening any more
@@ -144,7 +152,7 @@ class Service:
     """From the event loop: ends every job still running with `message` (a shutdown's end)."""
     for job in list(self._jobs):
       if not job.ended:
-        job.cut(message)
+        job.cut(Unavailable(message))
 
   def _run(self) -> None:
     jobs: list[Job] = []
@@ -173,7 +181,7 @@ class Service:
       traceback.print_exc()
       self.error = f"the engine failed: {type(e).__name__}: {e}"
       for job in jobs:
-        job.post("error", self.error)
+        job.post("error", Unavailable(self.error))
     finally:
       for job in jobs:
         job.post("done", "cancelled")
