@@ -147,7 +147,7 @@ def main(argv=None) -> None:
         method=method, budget=args.budget, top_k=args.top_k, max_budget=max_budget(args),
         sampler=sampler, seed=args.seed,
         attention=pair.attention, cache_size=args.cache_size, on_tokens=on_tokens,
-        warn=lambda line: print(line, file=sys.stderr), mesh=pair.mesh)
+        warn=lambda line: print(line, file=sys.stderr), mesh=pair.mesh, warmup=True)
     result = run(method, None if args.json else stream)
     summary = {
         "method": method,
@@ -163,6 +163,7 @@ def main(argv=None) -> None:
         "calibrate_s": round(result.calibrate_s, 4),
         "num_target_forwards": result.num_forwards,
         "compile_s": round(result.compile_s, 4),
+        "warmup_s": round(result.warmup_s, 4),
         "wall_s": round(result.wall_s, 4),
         "tokens_per_s": round(result.num_tokens / result.wall_s, 2),
     }
@@ -182,7 +183,8 @@ def main(argv=None) -> None:
                  if chosen else "")
       line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, {budgets}"
               f"{result.num_forwards} target forwards, tau {summary['tau']}, "
-              f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s")
+              f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s, "
+              f"warm-up {result.warmup_s:.2f}s")
       if compare_ar:
         line += (f"; {summary['speedup']}x over AR, "
                  f"{'identical to' if summary['identical_to_ar'] else 'differs from'} AR")

@@ -65,19 +65,37 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   chosen = choose()
   assert chosen.tokens == reference
   assert len(chosen.budgets) == len(chosen.committed_per_round[0]) and chosen.calibrate_s > 0
-  # The next process reads the round times from the file: flat ones there pick the largest tree.
+  # Every program ran once before the clock started, and is not run again for the next call.
+  assert compiled.warmed >= {id(p) for p in (prefill, ar, tree, flush)}
+  assert choose().warmup_s == 0.0
+  # The next process reads the round times and the flush's from the file.
   tables = json.loads(path.read_text())
   (table,) = tables["tables"]
-  assert table["key"]["loop"]["ladder"] == [1, 4, 8, 16]
+  assert table["key"]["loop"]["ladder"] == [1, 4, 8, 16] and set(table["seconds"]) == {
+      "ar", "tree", "flush"}
+  (record,) = tables["heads"]  # and what this head's drafts did
+  assert record["key"]["params"] == auto.drafter_fingerprint(head_params)
+  # Trees 100x an AR round never pay: AR from the first round, no probe, for a head never seen.
+  table["seconds"] = {m: {n: [100.0 if m == "tree" else 1.0] for n in by_n}
+                      for m, by_n in table["seconds"].items()}
+  path.write_text(json.dumps({"tables": [table]}))
+  monkeypatch.setattr(auto, "_seconds", {})
+  steep = choose()
+  assert steep.tokens == reference and set(steep.budgets) == {1}
+  assert json.loads(path.read_text())["heads"][0]["probes"] == 0
+  # Flat costs, and a record of this head's good drafts: trees from the first round.
   table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}
-  path.write_text(json.dumps(tables))
+  record.update(observed=40.0, predicted=40.0, drafts=10.0,
+                predicted_gain_l=[0.0, 20.0, 30.0, 40.0])
+  path.write_text(json.dumps({"tables": [table], "heads": [record]}))
   monkeypatch.setattr(auto, "_seconds", {})
   flat = choose()
+  assert flat.budgets[0] > 1
   # An unwritable file: a warning, and decoding goes on.
   (tmp_path / "a file").write_text("")
   monkeypatch.setenv("JETFLOW_COST_TABLES", str(tmp_path / "a file" / "costs.json"))
   monkeypatch.setattr(auto, "_seconds", {})
-  with pytest.warns(UserWarning, match="cannot keep the measured round times"):
+  with pytest.warns(UserWarning, match="cannot keep"):  # the round times, the head record
     assert choose().tokens == reference
   assert flat.tokens == reference and flat.calibrate_s < chosen.calibrate_s
   assert flat.budgets.count(16) > len(flat.budgets) / 2
@@ -118,13 +136,21 @@ def test_engine_steps_change_budget_and_stay_lossless(target, auto_engine):
   # Sampled, with budgets changing between rounds: test_engine's distribution test.
 
 
-def test_engine_chooses_by_the_step_costs(target, auto_engine):
+def test_engine_chooses_by_the_step_costs(target, auto_engine, tmp_path, monkeypatch):
   config, params = target
   requests = [Request(p, 24, stop_tokens=()) for p in PROMPTS]
   expected = ar_greedy(config, params, PROMPTS, 24)
+  monkeypatch.setenv("JETFLOW_COST_TABLES", str(tmp_path / "costs.json"))
   flat = Orchestrator(auto_engine, seconds_l=[1.0, 1.0, 1.0])
   assert [s.tokens for s in flat.generate(requests)] == expected
   assert flat.chooser.chosen.most_common(1)[0][0] == 8  # trees cost nothing more: the largest
+  # A head never seen starts on AR and probes at once (it pays here); what it learnt is kept,
+  # and the next engine starts its requests on trees.
+  assert flat.chooser.record.probes >= 1 and flat.chooser.record.drafts > 0
+  flat.close()
+  again = Orchestrator(auto_engine, seconds_l=[1.0, 1.0, 1.0])
+  assert again.chooser.record.drafts == flat.chooser.record.drafts
+  assert again.chooser.choose([True, True], [24, 24]) > 1
   steep = Orchestrator(auto_engine, seconds_l=[1.0, 40.0, 80.0])
   assert [s.tokens for s in steep.generate(requests)] == expected
   # Trees 40x an AR step never pay: AR, but for the first step (the prior) and rare probes.

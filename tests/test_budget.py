@@ -6,10 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from jetflow_jax.decoding.budget import (LADDER, AcceptanceModel, CostTable, best_budget,
-                                         budget_ladder, choose_budget, cost_key,
-                                         draft_expected_tau, expected_tau, load_cost_table,
-                                         save_cost_table)
+from jetflow_jax.decoding.budget import (LADDER, AcceptanceModel, CostTable, HeadRecord,
+                                         best_budget, budget_ladder, choose_budget, cost_key,
+                                         draft_expected_tau, expected_tau, kept_seconds,
+                                         load_cost_table, load_head_record, probe_index,
+                                         save_cost_table, save_head_record)
 from jetflow_jax.errors import InputError
 from jetflow_jax.tree import build_tree, build_tree_accum
 
@@ -183,3 +184,61 @@ def test_best_budget_and_the_choosers_own_time():
                   probe=model.probe_due())
     seconds.append(time.perf_counter() - start)
   assert np.median(seconds) < 3e-4  # estimate + choice for 32 rows x 8 budgets
+
+
+def test_a_probe_runs_only_where_it_can_pay_for_itself():
+  seconds_l = np.array([1.0, 1.6, 2.5, 4.0])  # AR, 4, 8, 16
+  probe_l = seconds_l + 2.0  # each round after a flush of 2
+  hope_l = np.array([1.0, 2.0, 2.5, 3.0])
+  # Saving a token: 1 - 1.6 / 2 = 0.2 at 4, 0 at 8, -1/3 at 16. Half a chance of winning.
+  assert probe_index(10, seconds_l, probe_l, hope_l, 0.5) == 0  # 0.5 x 2 < 3.6: not worth it
+  assert probe_index(100, seconds_l, probe_l, hope_l, 0.5) == 1  # 0.5 x 20 > 3.6: probe 4
+  assert probe_index(100, seconds_l, probe_l, hope_l, 0.1) == 0  # rarely wins: no
+  assert probe_index(10**6, seconds_l * [1, 9, 9, 9], probe_l, hope_l, 1.0) == 0  # never pays
+  # The budget worth most: at a higher hope the larger trees save more per token.
+  assert probe_index(1000, seconds_l, probe_l, np.array([1.0, 2.0, 4.0, 8.0]), 0.5) == 3
+
+
+def test_head_record_prior_chance_and_file(tmp_path):
+  ladder = (1, 4, 16)
+  record = HeadRecord({"head": "h"}, ladder)
+  np.testing.assert_allclose(record.prior_tau(), [1.0, 1.0, 1.0])  # never seen: AR
+  assert record.win_chance() == 0.5
+  # Two rounds of two rows: drafts predicted gains (1, 3) at (4, 16); rows committed 2 and 3
+  # tokens at 16 (gains 1 and 2 against 3 predicted each), one row inactive in round two.
+  predicted = np.array([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]])
+  record.add_drafts(predicted, np.array([2.0, 3.0]), 16, [True, True])
+  record.add_drafts(predicted, np.array([2.0, 9.0]), 16, [True, False])
+  ratio = (1 + 2 + 1 + 1) / (3 * 3 + 1)  # observed over predicted gains, one pseudo-count each
+  np.testing.assert_allclose(record.prior_tau(), [1.0, 1.0 + ratio * 1.0, 1.0 + ratio * 3.0])
+  record.probes, record.wins = 3.0, 2.0
+  assert record.win_chance() == 0.6
+  path = str(tmp_path / "costs.json")
+  save_cost_table(path, CostTable(key={"device": "d"}, rows=(1,), seconds={"ar": {1: (1.0,)}}))
+  save_head_record(path, record)
+  save_cost_table(path, CostTable(key={"device": "e"}, rows=(1,), seconds={"ar": {1: (2.0,)}}))
+  read = load_head_record(path, {"head": "h"}, ladder)  # tables and heads live side by side
+  np.testing.assert_allclose(read.as_array(), record.as_array())
+  assert load_cost_table(path, {"device": "d"}) is not None
+  assert load_head_record(path, {"head": "other"}, ladder).drafts == 0
+  assert load_head_record(path, {"head": "h"}, (1, 4)).drafts == 0  # another ladder: afresh
+  (tmp_path / "costs.json").write_text('{"heads": [{"key": {"head": "h"}, "drafts": -1}]}')
+  assert load_head_record(path, {"head": "h"}, ladder).drafts == 0  # damaged: afresh
+  # Old runs fade: a record weighs at most HEAD_RECORD_CAP rows, ratios kept.
+  many = HeadRecord({}, ladder)
+  for _ in range(3):
+    many.add_drafts(np.tile(predicted[:1], (4000, 1)), np.full(4000, 3.0), 16, np.ones(4000))
+  assert many.drafts == 4096 and np.isclose(many.observed / many.predicted, 2 / 3)
+
+
+def test_kept_seconds_with_extras_measure_once(tmp_path):
+  path, calls = str(tmp_path / "costs.json"), []
+  measure = lambda: calls.append(1) or np.array([1.0, 2.0, 0.5])
+  seconds, measured_s = kept_seconds({"k": 1}, (1, 4), 1, measure, path, extras=("flush",))
+  np.testing.assert_allclose(seconds, [1.0, 2.0, 0.5])
+  again, read_s = kept_seconds({"k": 1}, (1, 4), 1, measure, path, extras=("flush",))
+  np.testing.assert_allclose(again, seconds)
+  assert calls == [1] and measured_s > 0 and read_s == 0
+  measure_more = lambda: calls.append(2) or np.array([1.0, 2.0, 0.5, 0.25])
+  kept_seconds({"k": 1}, (1, 4), 1, measure_more, path, extras=("flush", "other"))  # one missing
+  assert calls == [1, 2]

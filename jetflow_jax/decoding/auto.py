@@ -4,15 +4,21 @@ draft predicts, calibrated against what the row accepted (`budget.py` holds thos
 
 The host decides between short runs of the device loop: one round at a time while trees pay
 (each round's prediction and acceptance update the model), longer runs of AR rounds while they
-do not (no draft runs then, so nothing new is learnt), with a tree probe now and then whose
-cost is held to a small share of the AR time. Every budget's round is one compiled variant;
-its time is measured once per shape (a few rounds on copies of the state) and kept, in this
-process and in the cost tables file (`budget.cost_tables_path()`) for the next.
+do not (no draft runs then, so nothing new is learnt). A tree probe runs only where it can pay
+for itself within the request (`budget.probe_index`: its chance of finding trees paying, from
+this drafter's past probes, times what trees could save over the tokens left, against what
+the probe costs, the flush of the held-back context included), and probes are spaced so that
+they cost a small share of the AR time. A row never drafted starts from what this drafter
+accepted in past runs on this target (`budget.HeadRecord`), or from AR for a drafter never
+seen. Every budget's round is one compiled variant; its time and the flush's are measured once
+per shape (a few rounds on copies of the state) and kept, in this process and in the cost
+tables file (`budget.cost_tables_path()`), with the drafter's record, for the next.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from typing import Callable, Sequence
@@ -21,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.budget import (AcceptanceModel, best_budget, budget_ladder, cost_key,
-                                         cost_tables_path, kept_seconds)
+from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budget, budget_ladder,
+                                         cost_key, cost_tables_path, kept_seconds,
+                                         optimistic_tau, probe_index)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.decoding.state import DecodeState
 from jetflow_jax.distributed import agreed, to_host
@@ -31,13 +38,10 @@ from jetflow_jax.errors import InputError
 TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
 # machine only ever adds time)
 AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
-PROBE_SHARE = 0.02  # a probe's cost at most this share of the AR rounds between probes
+PROBE_SHARE = 0.02  # probes spaced so that each costs at most this share of the AR rounds between
 STREAM_INTERVAL_S = 0.05
 
-_seconds: dict = {}  # round times by (specs, shapes), measured or read in this process
-# What a probe from AR cost, flush of the held-back context included, by shapes: the
-# flush is not in the round times, and spacing probes by the round alone probed too often.
-_probe_seconds: dict = {}
+_seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
 
 
 def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
@@ -53,11 +57,28 @@ def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
       for n in ladder]
 
 
-def prior_tau(ladder: Sequence[int]) -> np.ndarray:
-  """Expected tokens of a row not drafted yet: what a modest head gets (it decides whether the
-  first rounds draft at all; a drafting round replaces it)."""
-  ladder = np.asarray(ladder, np.float64)
-  return np.minimum(ladder, 1.0 + 0.5 * np.log2(ladder))
+def drafter_fingerprint(drafter_params) -> str:
+  """A short hash of a drafter's params that tells two trained heads apart: every leaf's shape
+  and dtype, and the values of its small leaves (norm scales, a controlled drafter's
+  acceptance), which training moves."""
+  digest = hashlib.sha1()
+  leaves = jax.tree.leaves(drafter_params)
+  for leaf in leaves:
+    digest.update(f"{jnp.shape(leaf)}{jnp.result_type(leaf)}".encode())
+  small = [x for x in leaves if jnp.ndim(x) <= 1 and jnp.size(x) <= 65536]
+  for value in to_host(small):
+    digest.update(np.ascontiguousarray(value).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def head_record_key(spec: RoundSpec, drafter_params) -> dict:
+  """What a drafter's acceptance depends on: the target's shape, the drafter and its params,
+  the tree and whether rows sample."""
+  key = cost_key("", spec.config, getattr(spec.drafter, "config", None))
+  return {"target": key["target"], "head": key["head"],
+          "drafter": type(spec.drafter).__name__, "depth": spec.drafter.depth,
+          "params": drafter_fingerprint(drafter_params), "tree": spec.tree_shape.kind,
+          "top_k": spec.tree_shape.top_k, "ladder": list(spec.ladder), "sampled": spec.sampled}
 
 
 def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_width: int,
@@ -78,84 +99,105 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
   return key
 
 
-def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable], state: DecodeState,
-                  prompt_width: int, capacity: int) -> np.ndarray:
-  """Seconds of a round at each spec's budget on this device and these shapes: measured on
-  copies of `state` the first time, and kept (in this process, and in the cost tables file
-  `budget.cost_tables_path()` for the next)."""
+def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
+                  flush: Callable | None, state: DecodeState, prompt_width: int,
+                  capacity: int) -> tuple[np.ndarray, float]:
+  """(seconds of a round at each spec's budget, seconds of `flush`) on this device and these
+  shapes: measured on copies of `state` the first time, and kept (in this process, and in the
+  cost tables file `budget.cost_tables_path()` for the next)."""
   memo = (tuple(specs), jax.tree.structure(state),
-          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity)
+          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity, flush is None)
   if memo not in _seconds:
     before = to_host(state.rounds_b)
 
-    def timed(advance) -> float:
+    def timed(run, per_round: bool) -> float:
       fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
       start = time.perf_counter()
-      after = jax.block_until_ready(advance(fresh, 2))
+      after = jax.block_until_ready(run(fresh))
       elapsed = time.perf_counter() - start
-      return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1)
+      return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1) if per_round \
+          else elapsed
 
     def measure() -> np.ndarray:
-      for advance in advance_l:
-        timed(advance)  # warm-up
-      return np.array([min(timed(advance) for _ in range(TIMED_RUNS)) for advance in advance_l])
+      runs = [(lambda s, a=advance: a(s, 2), True) for advance in advance_l]
+      if flush is not None:
+        runs.append((flush, False))
+      for run, per_round in runs:
+        timed(run, per_round)  # warm-up
+      return np.array([min(timed(run, per_round) for _ in range(TIMED_RUNS))
+                       for run, per_round in runs])
 
     rows = state.lengths_b.shape[0]
     key = loop_cost_key(specs, rows, str(state.cache.k[0].dtype), prompt_width, capacity)
-    _seconds[memo], _ = kept_seconds(key, specs[-1].ladder, rows, measure, cost_tables_path(),
-                                     "seconds of one round of the device loop")
+    extras = () if flush is None else ("flush",)
+    seconds, _ = kept_seconds(key, specs[-1].ladder, rows, measure, cost_tables_path(),
+                              "seconds of one round of the device loop; flush: the held-back "
+                              "context", extras=extras)
+    _seconds[memo] = (seconds[:len(specs)], float(seconds[len(specs)]) if extras else 0.0)
   return _seconds[memo]
 
 
 def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable | None,
-             ladder: tuple[int, ...], seconds_l: np.ndarray, pending: int, prompt_lengths_b,
-             on_tokens=None, schedule: Sequence[int] | None = None):
+             ladder: tuple[int, ...], seconds_l: np.ndarray, flush_s: float, pending: int,
+             prompt_lengths_b, record: HeadRecord, on_tokens=None,
+             schedule: Sequence[int] | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
   taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments).
   The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
-  (0: AR rounds commit their own, and `flush` may be None). Returns (state, the budget of every
+  (0: AR rounds commit their own, and `flush` may be None); `flush_s` is what a flush costs.
+  `record` gives the prior of rows never drafted and the chance a probe wins, and takes in
+  what this run's drafts predicted, accepted and probed. Returns (state, the budget of every
   round).
   """
   rows = len(prompt_lengths_b)
-  probe_key = (tuple(ladder), tuple(seconds_l), rows)  # the round times stand for the shapes
-  cheapest_tree = float(np.min(seconds_l[1:])) if len(ladder) > 1 else float(seconds_l[0])
-  spacing = lambda probe_s: max(8, math.ceil(probe_s / (PROBE_SHARE * seconds_l[0])))
-  model = AcceptanceModel(ladder, rows, prior_tau(ladder), explore_every=spacing(
-      max(cheapest_tree, _probe_seconds.get(probe_key, 0.0))))
+  probe_seconds_l = np.asarray(seconds_l, np.float64) + (flush_s if pending else 0.0)
+  cheapest_probe = float(np.min(probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
+  model = AcceptanceModel(ladder, rows, record.prior_tau(), explore_every=max(
+      8, math.ceil(cheapest_probe / (PROBE_SHARE * seconds_l[0]))))
+  hope_l = np.maximum(optimistic_tau(ladder), record.prior_tau())
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
+  # A drafter never seen may probe at once; later probes wait for `explore_every` AR rounds.
+  # Once a probe does not pay, none will in this call: fewer tokens are left at every check.
+  may_probe, first_probe = len(ladder) > 1, record.drafts == 0
   budgets: list[int] = []
-  done_b, rounds_b = to_host((state.done_b, state.rounds_b))
+  done_b, rounds_b, lengths_b, max_lengths_b = to_host(
+      (state.done_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
   streamed = time.perf_counter()
   held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
   while not done_b.all():
     live_b = ~done_b
-    tau_bl = model.estimate()[live_b]
-    tokens_l = tau_bl.sum(axis=0)
+    tokens_l = model.estimate()[live_b].sum(axis=0)
     tokens_l[0] = live_b.sum()
+    probing = False
     if schedule is None:
-      index = best_budget(tokens_l, seconds_l, ladder, probe=model.probe_due(live_b)).index
-      runs = 1 if index else min(ar_run, model.explore_every - int(
-          model.ar_rounds_b[live_b].max()))
+      index = best_budget(tokens_l, seconds_l, ladder).index
+      if not index and may_probe and (first_probe or model.probe_due(live_b)):
+        remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
+        index = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
+        probing, may_probe, first_probe = index > 0, index > 0, False
+      wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
+      runs = 1 if index else min(ar_run, wait) if may_probe else ar_run
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
     budget = ladder[index]
-    probing = schedule is None and budget > 1 and model.probe_due(live_b)
-    began = time.perf_counter()
     if pending and (held == pending or (budget > 1 and (held or not flushed))):
       state, held, flushed = flush(state), 0, True
     if budget == 1 and pending:
       runs = min(runs, pending - held)
     state = advance_l[index](state, max(runs, 1))
-    done_b, new_rounds_b = to_host((state.done_b, state.rounds_b))
-    if probing:  # later probes (of this and later runs of these shapes) wait for what it cost
-      _probe_seconds[probe_key] = float(agreed(np.float32(time.perf_counter() - began)))
-      model.explore_every = max(model.explore_every, spacing(_probe_seconds[probe_key]))
+    done_b, new_rounds_b, lengths_b = to_host((state.done_b, state.rounds_b, state.lengths_b))
     ran_b = new_rounds_b - rounds_b
     if budget > 1:  # any drafting round predicts every budget of the ladder
       committed_br, predicted_bl = to_host((state.committed_br, state.predicted_bl))
       observed_b = committed_br[np.arange(rows), np.maximum(new_rounds_b - 1, 0)]
       model.update(predicted_bl, observed_b, budget, ran_b > 0)
+      record.add_drafts(predicted_bl, observed_b, budget, ran_b > 0)
+      if probing:  # won: the model now says a tree pays
+        tokens_l = model.estimate()[live_b].sum(axis=0)
+        tokens_l[0] = live_b.sum()
+        record.probes += 1
+        record.wins += float(best_budget(tokens_l, seconds_l, ladder).index > 0)
     else:
       for r in range(int(ran_b.max())):
         model.update(None, None, 1, ran_b > r)

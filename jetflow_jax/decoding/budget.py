@@ -225,31 +225,40 @@ def cost_tables_path() -> str | None:
   return path or None
 
 
-def _tables(path: str) -> list[dict]:
-  """The tables in the JSON file at `path`: none where it is missing or unreadable (a cache: a
-  damaged one is measured again and rewritten)."""
+def _records(path: str, kind: str) -> list[dict]:
+  """The records of `kind` ("tables": round times, "heads": what drafts accepted) in the JSON
+  file at `path`: none where it is missing or unreadable (a cache: a damaged one is measured
+  again and rewritten)."""
   try:
     with open(path) as f:
-      tables = json.load(f)["tables"]
-    return [t for t in tables if isinstance(t, dict) and "key" in t]
-  except (OSError, ValueError, KeyError, TypeError):
+      records = json.load(f).get(kind, [])
+    return [r for r in records if isinstance(r, dict) and "key" in r]
+  except (OSError, ValueError, AttributeError, TypeError):
     return []
+
+
+def _save_record(path: str, kind: str, record: dict) -> None:
+  """Writes `record` among the `kind` records of the JSON file at `path`, replacing one with
+  the same key; the other kinds stay as they are."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  data = {k: [r for r in _records(path, k) if k != kind or r["key"] != record["key"]]
+          for k in ("tables", "heads")}
+  data[kind].append(record)
+  tmp = f"{path}.{os.getpid()}.tmp"  # each process its own; of two saving at once, one wins
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1)
+  os.replace(tmp, path)  # a reader never sees half a file
 
 
 def save_cost_table(path: str, table: CostTable) -> None:
   """Writes `table` into the JSON file at `path`, replacing a table with the same key."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tables = [t for t in _tables(path) if t["key"] != table.key]
-  tmp = f"{path}.{os.getpid()}.tmp"  # each process its own; of two saving at once, one wins
-  with open(tmp, "w") as f:
-    json.dump({"tables": tables + [table.to_json()]}, f, indent=1)
-  os.replace(tmp, path)  # a reader never sees half a file
+  _save_record(path, "tables", table.to_json())
 
 
 def load_cost_table(path: str, key: dict) -> CostTable | None:
   """The table for `key` in the JSON file at `path`, or None (no file, no such key, a damaged
   file or table)."""
-  record = next((t for t in _tables(path) if t["key"] == key), None)
+  record = next((t for t in _records(path, "tables") if t["key"] == key), None)
   try:
     return None if record is None else CostTable.from_json(record)
   except (InputError, ValueError, KeyError, TypeError, AttributeError):
@@ -257,20 +266,23 @@ def load_cost_table(path: str, key: dict) -> CostTable | None:
 
 
 def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[[], np.ndarray],
-                 path: str | None, notes: str = "",
-                 remeasure: bool = False) -> tuple[np.ndarray, float]:
-  """Seconds of a round (or step) at each ladder budget, and how long measuring them took (0
-  when read): from the cost table at `path` when it has `key` (unless `remeasure`; a key holds
-  its ladder, so its table has every budget), else `measure()` and saved there (`path` None:
-  kept nowhere). In a multi-process job process 0 reads, every process measures (the timed
-  programs run on all), and all take process 0's times, which it saves."""
+                 path: str | None, notes: str = "", remeasure: bool = False,
+                 extras: Sequence[str] = ()) -> tuple[np.ndarray, float]:
+  """Seconds of a round (or step) at each ladder budget, then of each of `extras` (other
+  programs timed with them, e.g. "flush"), and how long measuring them took (0 when read):
+  from the cost table at `path` when it has `key` (unless `remeasure`; a key holds its
+  ladder, so its table has every budget), else `measure()` (one value per budget, then per
+  extra) and saved there (`path` None: kept nowhere). In a multi-process job process 0
+  reads, every process measures (the timed programs run on all), and all take process 0's
+  times, which it saves."""
   main = distributed.is_main_process()
-  known_l = np.full(len(ladder), np.nan, np.float32)
+  known_l = np.full(len(ladder) + len(extras), np.nan, np.float32)
   table = load_cost_table(path, key) if path and main and not remeasure else None
   if table is not None:
     try:
-      known_l = table.round_seconds("tree", ladder, rows).astype(np.float32)
-    except InputError:  # a budget missing: measured again
+      known_l = np.concatenate([table.round_seconds("tree", ladder, rows),
+                                [table.seconds[name][0][0] for name in extras]]).astype(np.float32)
+    except (InputError, KeyError, IndexError):  # a budget or an extra missing: measured again
       pass
   known_l = distributed.agreed(known_l)
   if np.all(np.isfinite(known_l) & (known_l > 0)):
@@ -281,15 +293,135 @@ def kept_seconds(key: dict, ladder: Sequence[int], rows: int, measure: Callable[
   if path and main:
     by_budget = {n: (float(s),) for n, s in zip(ladder, seconds_l)}
     trees = [n for n in ladder if n > 1]
+    seconds = {AR_METHOD: {1: by_budget[1]}, "tree": {n: by_budget[n] for n in trees},
+               **{name: {0: (float(s),)} for name, s in zip(extras, seconds_l[len(ladder):])}}
     try:
       save_cost_table(path, CostTable(
-          key=key, rows=(rows,), notes=notes,
-          seconds={AR_METHOD: {1: by_budget[1]}, "tree": {n: by_budget[n] for n in trees}},
-          source={AR_METHOD: {1: ("measured",)}, "tree": {n: ("measured",) for n in trees}}))
+          key=key, rows=(rows,), notes=notes, seconds=seconds,
+          source={m: {n: ("measured",) for n in by_n} for m, by_n in seconds.items()}))
     except OSError as e:  # a cache: decoding goes on, the next start measures again
       warnings.warn(f"cannot keep the measured round times in {path} ({e.strerror or e}); set "
                     f"${COST_TABLES_ENV} to a writable file, or empty to keep none")
   return seconds_l, measured_s
+
+
+def optimistic_tau(ladder: Sequence[int]) -> np.ndarray:
+  """Expected committed tokens a modest head gets at each ladder budget: what a probe hopes
+  for when nothing better is known."""
+  ladder = np.asarray(ladder, np.float64)
+  return np.minimum(ladder, 1.0 + 0.5 * np.log2(ladder))
+
+
+HEAD_RECORD_CAP = 4096.0  # drafting rows a head record weighs at most: older runs fade
+
+
+@dataclasses.dataclass
+class HeadRecord:
+  """What one drafter's drafts predicted and its rows accepted on one target, over past runs,
+  and how its tree probes went (kept beside the cost tables, under "heads").
+
+  The prior of a row this drafter has not drafted yet is `prior_tau()`: its past calibration
+  (observed over predicted gains) times the gain its drafts predicted on average, or AR (1
+  token at every budget) for a drafter never seen. `win_chance()` is how often a probe found
+  trees paying, Beta(1, 1) before any probe.
+  """
+
+  key: dict
+  ladder: tuple[int, ...]
+  observed: float = 0.0  # gains (committed tokens - 1) of drafting rows, summed
+  predicted: float = 0.0  # what their drafts predicted at the budget they ran
+  predicted_gain_l: np.ndarray | None = None  # their drafts' predicted gains at every budget
+  drafts: float = 0.0  # drafting rows summed in the above
+  probes: float = 0.0
+  wins: float = 0.0  # probes after which the next round drafted again
+
+  def __post_init__(self):
+    self.ladder = tuple(self.ladder)
+    if self.predicted_gain_l is None:
+      self.predicted_gain_l = np.zeros(len(self.ladder))
+    self.predicted_gain_l = np.asarray(self.predicted_gain_l, np.float64)
+
+  def prior_tau(self) -> np.ndarray:
+    if self.drafts <= 0:
+      return np.ones(len(self.ladder))
+    ratio = (self.observed + 1.0) / (self.predicted + 1.0)
+    tau_l = 1.0 + ratio * self.predicted_gain_l / self.drafts
+    return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
+
+  def win_chance(self) -> float:
+    return (self.wins + 1.0) / (self.probes + 2.0)
+
+  def add_drafts(self, predicted_bl, observed_b, budget: int, active_b) -> None:
+    """One drafting round's `active_b` rows: predictions `[B, L]` and committed tokens `[B]`."""
+    index, active_b = self.ladder.index(budget), np.asarray(active_b, bool)
+    predicted_bl = np.asarray(predicted_bl, np.float64)[active_b]
+    self.observed += float(np.sum(np.asarray(observed_b, np.float64)[active_b] - 1.0))
+    self.predicted += float(np.sum(predicted_bl[:, index] - 1.0))
+    self.predicted_gain_l = self.predicted_gain_l + np.sum(predicted_bl - 1.0, axis=0)
+    self.drafts += float(active_b.sum())
+    if self.drafts > HEAD_RECORD_CAP:
+      fade = HEAD_RECORD_CAP / self.drafts
+      self.observed, self.predicted, self.drafts = (self.observed * fade, self.predicted * fade,
+                                                    HEAD_RECORD_CAP)
+      self.predicted_gain_l = self.predicted_gain_l * fade
+
+  def as_array(self) -> np.ndarray:
+    return np.concatenate([[self.observed, self.predicted, self.drafts, self.probes, self.wins],
+                           self.predicted_gain_l]).astype(np.float64)
+
+  def with_array(self, values) -> HeadRecord:
+    values = np.asarray(values, np.float64)
+    return dataclasses.replace(self, observed=float(values[0]), predicted=float(values[1]),
+                               drafts=float(values[2]), probes=float(values[3]),
+                               wins=float(values[4]), predicted_gain_l=values[5:])
+
+
+def load_head_record(path: str | None, key: dict, ladder: Sequence[int]) -> HeadRecord:
+  """The record of `key` in the JSON file at `path`, else a fresh one; the same on every
+  process of a job (process 0 reads it)."""
+  record = HeadRecord(key, tuple(ladder))
+  found = (next((r for r in _records(path, "heads") if r["key"] == key), None)
+           if path and distributed.is_main_process() else None)
+  values = record.as_array()
+  if found is not None:
+    try:
+      read = np.asarray([found[f] for f in ("observed", "predicted", "drafts", "probes", "wins")]
+                        + list(found["predicted_gain_l"]), np.float64)
+      if read.shape == values.shape and np.all(np.isfinite(read)) and np.all(read[2:5] >= 0):
+        values = read
+    except (KeyError, TypeError, ValueError):  # a damaged record: start afresh
+      pass
+  return record.with_array(distributed.agreed(values))
+
+
+def save_head_record(path: str | None, record: HeadRecord) -> None:
+  """Keeps `record` in the JSON file at `path` (process 0; a cache: a failure only warns)."""
+  if not path or not distributed.is_main_process():
+    return
+  try:
+    _save_record(path, "heads", {
+        "key": record.key, "observed": record.observed, "predicted": record.predicted,
+        "drafts": record.drafts, "probes": record.probes, "wins": record.wins,
+        "predicted_gain_l": record.predicted_gain_l.tolist()})
+  except OSError as e:
+    warnings.warn(f"cannot keep what the drafter accepted in {path} ({e.strerror or e})")
+
+
+def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance: float) -> int:
+  """The ladder index of the tree worth probing now, 0 for none.
+
+  A probe at budget n costs `probe_seconds_l[n]` (the round, and whatever must run before it,
+  such as the flush of held-back context). What it may save: were the row to commit
+  `hope_l[n]` tokens a round from here on, its `remaining` tokens would take
+  remaining x seconds_l[n] / hope_l[n] instead of remaining x seconds_l[0] on AR. It runs
+  where `win_chance` x that saving exceeds its cost.
+  """
+  seconds_l, hope_l = np.asarray(seconds_l, np.float64), np.asarray(hope_l, np.float64)
+  saving_l = remaining * (seconds_l[0] - seconds_l / hope_l)
+  value_l = win_chance * saving_l - np.asarray(probe_seconds_l, np.float64)
+  value_l[0] = 0.0
+  index = int(np.argmax(value_l))
+  return index if value_l[index] > 0 else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.decoding.auto import auto_specs, round_seconds, run_auto
+from jetflow_jax.decoding.auto import auto_specs, head_record_key, round_seconds, run_auto
+from jetflow_jax.decoding.budget import cost_tables_path, load_head_record, save_head_record
 from jetflow_jax.decoding.prefill import prefill
 from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round, flush_pending
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
@@ -62,6 +63,7 @@ class Generation:
   wall_s: float  # prefill + decoding, compilation (and a budget calibration) excluded
   budgets: list[int] = dataclasses.field(default_factory=list)  # with auto: each round's budget
   calibrate_s: float = 0.0  # with auto: timing each budget's round, when not known already
+  warmup_s: float = 0.0  # first executions of the programs, on scratch state (auto, `warmup`)
 
   @property
   def num_tokens(self) -> int:
@@ -124,10 +126,12 @@ def pending_rounds(spec: RoundSpec, prompt_width: int, capacity: int) -> int:
 
 
 class CompileCache:
-  """Executables by shapes and statics, with counts (what ran can be told from what is new)."""
+  """Executables by shapes and statics, with counts (what ran can be told from what is new),
+  and which of them have run once (`warmed`)."""
 
   def __init__(self):
     self.entries, self.hits, self.misses = {}, 0, 0
+    self.warmed: set[int] = set()
 
   def get(self, key, build: Callable[[], Any]):
     if key in self.entries:
@@ -198,6 +202,30 @@ def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, c
   return prefill_fn, decode_fn
 
 
+def warm_up(prefill_fn, decode_fns: Sequence, flush_fn, target_params, drafter_params,
+            args) -> float:
+  """Runs each program not run before in this process once, on scratch state; returns the
+  seconds it took. A program's first execution costs far more than the next (the CPU
+  runtime readies its kernels then, whether it was just compiled or read from the
+  compilation cache), and it belongs to no request's clock."""
+  cold = [fn for fn in (prefill_fn, *decode_fns, flush_fn)
+          if fn is not None and id(fn) not in compiled.warmed]
+  if not cold:
+    return 0.0
+  start = time.perf_counter()
+  state = prefill_fn(target_params, drafter_params, *args)
+  for decode_fn in decode_fns:
+    if id(decode_fn) not in compiled.warmed:
+      jax.block_until_ready(decode_fn(target_params, drafter_params,
+                                      jax.tree.map(jnp.copy, state), 1))
+  if flush_fn is not None:
+    jax.block_until_ready(flush_fn(drafter_params, state))
+  else:
+    jax.block_until_ready(state)
+  compiled.warmed.update(id(fn) for fn in cold)
+  return time.perf_counter() - start
+
+
 def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter_params,
                    prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    tree_shape: TreeShape, sampler: Sampler = Greedy(), seed: int = 0,
@@ -205,7 +233,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                    impl: str = "xla",
                    on_tokens: Callable[[list[list[int]]], None] | None = None,
                    stream_every: int = 4, mesh: DecodeMesh | None = None,
-                   auto: bool | Sequence[int] = False) -> Generation:
+                   auto: bool | Sequence[int] = False, warmup: bool = False) -> Generation:
   """Decodes a batch of prompts (lists of token ids) with any drafter and tree shape.
 
   With `on_tokens`, the host regains control every `stream_every` rounds and is given the
@@ -215,7 +243,9 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   multi-process job every process passes the same arguments (`on_tokens` on all or none).
   With `auto`, each round's budget is chosen on the ladder up to `tree_shape.budget`
   (`decoding.auto`): the round of each budget compiles, and is timed once per shape; `auto` a
-  sequence of ladder budgets runs them in turn instead.
+  sequence of ladder budgets runs them in turn instead. With `auto` or `warmup`, every
+  program runs once on scratch state before the clock starts (`warm_up`; its time is
+  `Generation.warmup_s`), so `wall_s` holds no first executions.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -242,27 +272,35 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                for _, decode_fn in compiled_l]
   prefill_fn = compiled_l[0][0]
   pending = pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size)
-  flush_fn = None
+  flush_exe = flush_fn = None
   if pending:  # a drafter with taps, under auto
-    flush_fn = functools.partial(compile_flush(drafter_params, prefill_fn, drafter, mesh),
-                                 drafter_params)
+    flush_exe = compile_flush(drafter_params, prefill_fn, drafter, mesh)
+    flush_fn = functools.partial(flush_exe, drafter_params)
     compile_s = time.perf_counter() - start
+  warmup_s = (warm_up(prefill_fn, [fn for _, fn in compiled_l], flush_exe, target_params,
+                      drafter_params, args) if auto or warmup else 0.0)
 
   calibrate_s, budgets = 0.0, []
   start = time.perf_counter()
   state = prefill_fn(target_params, drafter_params, *args)
   if auto:
     calibrating = time.perf_counter()  # on copies of the state; its time is left out below
-    seconds_l = (round_seconds(specs, advance_l, state, rows.prompt_bt.shape[1], cache_size)
-                 if auto is True else np.ones(len(specs)))  # a given schedule needs no times
+    width = rows.prompt_bt.shape[1]
+    seconds_l, flush_s = (round_seconds(specs, advance_l, flush_fn, state, width, cache_size)
+                          if auto is True else (np.ones(len(specs)), 0.0))  # a schedule: no times
+    record = load_head_record(cost_tables_path(), head_record_key(specs[-1], drafter_params),
+                              specs[-1].ladder)
     calibrate_s = time.perf_counter() - calibrating
-    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, pending,
-                              rows.lengths_b, on_tokens, None if auto is True else auto)
+    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, flush_s,
+                              pending, rows.lengths_b, record, on_tokens,
+                              None if auto is True else auto)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)
   tokens = new_tokens(state, rows.lengths_b)
   wall_s = time.perf_counter() - start - calibrate_s
+  if auto is True:
+    save_head_record(cost_tables_path(), record)
   rounds, committed, stop_b, num_forwards = to_host(
       (state.rounds_b, state.committed_br, state.stop_b, state.num_forwards))
   return Generation(
@@ -270,7 +308,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
       committed_per_round=[committed[b, :rounds[b]].tolist() for b in range(len(prompts))],
       stop_reasons=[StopReason.of_code(int(code)) for code in stop_b],
       num_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s, budgets=budgets,
-      calibrate_s=calibrate_s)
+      calibrate_s=calibrate_s, warmup_s=warmup_s)
 
 
 def new_tokens(state: DecodeState, prompt_lengths_b) -> list[list[int]]:

@@ -6,8 +6,15 @@ ladder budget with the most expected committed tokens per second, from
   every slot busy, on a scratch state, and kept in a JSON cost table keyed by the device, the
   model shapes and the engine's, so the next start reuses it), and
 - what the busy slots' drafts predict at every budget, calibrated per slot against what each
-  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate starts from a prior when its
-  request arrives, and a tree is probed now and then while AR runs, at a small share of its time).
+  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate starts, when its request
+  arrives, from what this drafter accepted before on this target, `decoding.budget.HeadRecord`,
+  kept beside the cost tables; a drafter never seen starts from AR). While AR runs, a tree is
+  probed only where the probe can pay for itself over the busy requests' tokens left
+  (`decoding.budget.probe_index`), and probes are spaced to a small share of the AR time.
+
+Every budget's step variants run once at start-up before any request, also when their times
+come from the cost table (`warm_up_steps`): a program's first execution costs far more than the
+next, and no request should pay it.
 """
 
 from __future__ import annotations
@@ -15,15 +22,16 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.auto import PROBE_SHARE, prior_tau
-from jetflow_jax.decoding.budget import (AcceptanceModel, best_budget, cost_key,
-                                         cost_tables_path, kept_seconds)
+from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key
+from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budget, cost_key,
+                                         cost_tables_path, kept_seconds, load_head_record,
+                                         optimistic_tau, probe_index, save_head_record)
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 
@@ -44,82 +52,158 @@ def engine_cost_key(engine: Engine) -> dict:
   return key
 
 
-def measure_step_seconds(engine: Engine) -> np.ndarray:
-  """Seconds of a step at each ladder budget with every slot busy (a scratch state, thrown
-  away). Compiles both variants of every budget's step on the way (greedy, and any request)."""
+def _busy_state(engine: Engine):
+  """A scratch state with every slot holding the same request."""
   length = max(1, min(64, engine.max_context // 4))
   prefix = engine.prefill(Request([0] * length, engine.max_context - length, stop_tokens=()))
   state = engine.init_state()
   for slot in range(engine.num_slots):
     state = engine.insert(state, prefix, slot)
+  return state
 
-  def timed(budget: int, **flags) -> float:
-    fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-    start = time.perf_counter()
-    jax.block_until_ready(engine.step(fresh, budget, **flags))
-    return time.perf_counter() - start
 
-  seconds = []
+def _run_step(engine: Engine, state, budget: int, **flags) -> float:
+  """Seconds of one step at `budget` on a copy of `state`."""
+  fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+  start = time.perf_counter()
+  jax.block_until_ready(engine.step(fresh, budget, **flags))
+  return time.perf_counter() - start
+
+
+def warm_up_steps(engine: Engine) -> float:
+  """Runs both variants of every budget's step once (greedy, and any request), and the
+  prefill, insert and evict they need, on a scratch state; returns the seconds it took."""
+  start = time.perf_counter()
+  state = _busy_state(engine)
   for budget in engine.ladder:
-    timed(budget, logprobs=True)
-    timed(budget, sampled=False, filtered=False)
-    seconds.append(min(timed(budget, sampled=False, filtered=False) for _ in range(TIMED_STEPS)))
-  return np.array(seconds)
+    _run_step(engine, state, budget, logprobs=True)
+    _run_step(engine, state, budget, sampled=False, filtered=False)
+  jax.block_until_ready(engine.evict(state, 0))
+  return time.perf_counter() - start
+
+
+def measure_step_seconds(engine: Engine) -> np.ndarray:
+  """Seconds of a step at each ladder budget with every slot busy (a scratch state, thrown
+  away), each after `warm_up_steps` ran it once."""
+  warm_up_steps(engine)
+  state = _busy_state(engine)
+  return np.array([min(_run_step(engine, state, budget, sampled=False, filtered=False)
+                       for _ in range(TIMED_STEPS)) for budget in engine.ladder])
 
 
 def step_seconds(engine: Engine, path: str | None = None, log=None,
                  remeasure: bool = False) -> np.ndarray:
   """The engine's step times per ladder budget: from the cost table at `path` (default
   `cost_tables_path()`) when it has this engine's key (unless `remeasure`), else measured now
-  and saved there."""
+  and saved there. Either way every step variant has run once when this returns."""
   seconds, measured_s = kept_seconds(
       engine_cost_key(engine), engine.ladder, engine.num_slots,
       lambda: measure_step_seconds(engine), cost_tables_path() if path is None else path,
       "seconds of one engine step (rounds_per_step rounds), every slot busy", remeasure)
-  if measured_s and log is not None:
-    log(f"budget costs measured in {measured_s:.1f} s: " + ", ".join(
-        f"{'AR' if n == 1 else n} {1e3 * s:.1f} ms" for n, s in zip(engine.ladder, seconds)))
+  if measured_s:
+    message = f"budget costs measured in {measured_s:.1f} s"
+  else:
+    message = f"budget costs read, every step warmed up in {warm_up_steps(engine):.1f} s"
+  if log is not None:
+    log(f"{message}: " + ", ".join(f"{'AR' if n == 1 else n} {1e3 * s:.1f} ms"
+                                   for n, s in zip(engine.ladder, seconds)))
   return seconds
 
 
 class BudgetChooser:
   """Picks each step's budget for the busy slots, and learns from what each step committed.
 
-  `schedule` (ladder budgets, one step each, in turn) replaces the choice: for tests.
+  `record` (default: fresh, a drafter never seen) gives a new request's prior and the chance a
+  probe wins, and takes in what the steps drafted and probed; `save` keeps it (called at most
+  every `SAVE_EVERY_S`, and by `close`). `schedule` (ladder budgets, one step each, in turn)
+  replaces the choice: for tests.
   """
 
+  SAVE_EVERY_S = 30.0
+
   def __init__(self, ladder: Sequence[int], num_slots: int, seconds_l, rounds_per_step: int,
-               schedule: Sequence[int] | None = None):
+               schedule: Sequence[int] | None = None, record: HeadRecord | None = None,
+               save: Callable[[HeadRecord], None] | None = None):
     self.ladder, self.seconds_l = tuple(ladder), np.asarray(seconds_l, np.float64)
-    self.schedule = schedule
+    self.schedule, self.rounds_per_step = schedule, rounds_per_step
+    self.record = record if record is not None else HeadRecord({}, self.ladder)
+    self._save, self._saved = save, time.perf_counter()
     cheapest_tree = float(np.min(self.seconds_l[1:])) if len(ladder) > 1 else 0.0
     ar_steps = max(2, math.ceil(cheapest_tree / (PROBE_SHARE * self.seconds_l[0])))
-    self.model = AcceptanceModel(self.ladder, num_slots, prior_tau(self.ladder),
+    self.model = AcceptanceModel(self.ladder, num_slots, self.record.prior_tau(),
                                  explore_every=ar_steps * rounds_per_step)
+    self.hope_l = np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
     self.chosen: collections.Counter[int] = collections.Counter()
+    # Whether each chosen step not yet recorded is a probe (steps are read back a step late).
+    self.probing: collections.deque[bool] = collections.deque()
+    self.first_probe = self.record.drafts == 0  # a drafter never seen may probe at once
 
   def reset(self, slot: int) -> None:
-    """A new request took `slot`: its estimate starts from the prior."""
+    """A new request took `slot`: its estimate starts from the prior, what the drafter's
+    record holds now (past runs and this one's requests so far)."""
+    self.model.prior_tau_l = self.record.prior_tau()
     self.model.reset([slot])
 
-  def choose(self, busy_b) -> int:
-    """The budget of the next step over the `busy_b` slots (a bool mask)."""
+  def _tokens(self, busy_b) -> np.ndarray:
+    tokens_l = self.model.estimate()[busy_b].sum(axis=0)
+    tokens_l[0] = busy_b.sum()
+    return tokens_l
+
+  def choose(self, busy_b, remaining_b=None) -> int:
+    """The budget of the next step over the `busy_b` slots (a bool mask); `remaining_b`: the
+    tokens each slot's request may still produce (default: no probe pays)."""
     busy_b = np.asarray(busy_b, bool)
+    probing = False
     if self.schedule is not None:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
     else:
-      tau_bl = self.model.estimate()[busy_b]
-      tokens_l = tau_bl.sum(axis=0)
-      tokens_l[0] = busy_b.sum()
-      budget = best_budget(tokens_l, self.seconds_l, self.ladder,
-                           probe=self.model.probe_due(busy_b)).budget
+      index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
+      if (not index and remaining_b is not None and len(self.ladder) > 1
+          and (self.first_probe or self.model.probe_due(busy_b))):
+        # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
+        steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
+        index = probe_index(steps_left, self.seconds_l, self.seconds_l, self.hope_l,
+                            self.record.win_chance())
+        probing, self.first_probe = index > 0, False
+        if not index:  # try again after another spell of AR rounds
+          self.model.ar_rounds_b[busy_b] = 0
+      budget = self.ladder[index]
     self.chosen[budget] += 1
+    self.probing.append(probing)
     return budget
 
-  def record(self, budget: int, output: StepOutput, valid_b) -> None:
+  def record_step(self, budget: int, output: StepOutput, valid_b) -> None:
     """What a step at `budget` committed (`output` on the host), for the `valid_b` slots (those
     still holding the request they held when the step was dispatched)."""
+    valid_b = np.asarray(valid_b, bool)
+    probing = self.probing.popleft() if self.probing else False
     for r in range(output.committed_br.shape[1]):
       committed_b = output.committed_br[:, r]
-      self.model.update(output.predicted_brl[:, r], committed_b, budget,
-                        np.asarray(valid_b, bool) & (committed_b >= 0))
+      active_b = valid_b & (committed_b >= 0)
+      self.model.update(output.predicted_brl[:, r], committed_b, budget, active_b)
+      if budget > 1:
+        self.record.add_drafts(output.predicted_brl[:, r], committed_b, budget, active_b)
+    if probing and valid_b.any():
+      self.record.probes += 1
+      self.record.wins += float(best_budget(self._tokens(valid_b), self.seconds_l,
+                                            self.ladder).index > 0)
+    if self._save is not None and time.perf_counter() - self._saved >= self.SAVE_EVERY_S:
+      self.close()
+
+  def close(self) -> None:
+    """Keeps the record (what was drafted and probed) for the next start."""
+    if self._save is not None:
+      self._save(self.record)
+      self._saved = time.perf_counter()
+
+
+def engine_chooser(engine: Engine, seconds_l, schedule: Sequence[int] | None = None,
+                   path: str | None = None) -> BudgetChooser:
+  """The chooser for `engine`, its drafter's record read from (and kept in) the cost tables
+  file at `path` (default `cost_tables_path()`)."""
+  path = cost_tables_path() if path is None else path
+  key = head_record_key(engine.spec(engine.ladder[-1], sampled=False, filtered=False),
+                        engine.drafter_params)
+  return BudgetChooser(engine.ladder, engine.num_slots, seconds_l, engine.rounds_per_step,
+                       schedule, record=load_head_record(path, key, engine.ladder),
+                       save=lambda record: save_head_record(path, record))

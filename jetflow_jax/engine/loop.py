@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jetflow_jax.decoding.state import StopReason
-from jetflow_jax.engine.budgets import BudgetChooser, step_seconds
+from jetflow_jax.engine.budgets import engine_chooser, step_seconds
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.sampling import sampling_flags
@@ -75,8 +75,7 @@ class Orchestrator:
       if seconds_l is None:
         seconds_l = (np.ones(len(engine.ladder)) if schedule is not None
                      else step_seconds(engine, log=log))
-      self.chooser = BudgetChooser(engine.ladder, engine.num_slots, seconds_l,
-                                   engine.rounds_per_step, schedule)
+      self.chooser = engine_chooser(engine, seconds_l, schedule)
     # Nodes a round of the last dispatched step verified per slot.
     shape = engine.tree_shape
     self.last_budget = {"root": 1, "chain": engine.drafter.depth + 1}.get(shape.kind,
@@ -116,7 +115,10 @@ class Orchestrator:
       running = [s.request for s in self.slots if s is not None]
       budget = None
       if self.chooser is not None:
-        budget = self.last_budget = self.chooser.choose([s is not None for s in self.slots])
+        remaining_b = [0 if s is None else s.request.max_tokens - len(s.tokens)
+                       for s in self.slots]
+        budget = self.last_budget = self.chooser.choose([s is not None for s in self.slots],
+                                                        remaining_b)
       self.state, output = self.engine.step(
           self.state, budget, **sampling_flags([r.sampler for r in running]),
           logprobs=any(r.logprobs is not None for r in running))
@@ -131,6 +133,11 @@ class Orchestrator:
     while self.step():
       pass
 
+  def close(self) -> None:
+    """Keeps what the budget chooser learnt about the drafter (`budgets.HeadRecord`)."""
+    if self.chooser is not None:
+      self.chooser.close()
+
   def generate(self, requests: Iterable[Request]) -> list[Stream]:
     """Submits `requests`, runs them all, returns their streams in order."""
     streams = [self.submit(r) for r in requests]
@@ -141,8 +148,8 @@ class Orchestrator:
     """A step's new tokens to the streams that held the slots when it was dispatched."""
     output = jax.device_get(output)
     if self.chooser is not None:
-      self.chooser.record(budget, output, [o is not None and o is s
-                                           for o, s in zip(owners, self.slots)])
+      self.chooser.record_step(budget, output, [o is not None and o is s
+                                                for o, s in zip(owners, self.slots)])
     new_bw, num_new_b, stop_b, rounds_b = (output.new_bw, output.num_new_b, output.stop_b,
                                            output.rounds_b)
     for slot, stream in enumerate(owners):

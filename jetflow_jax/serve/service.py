@@ -15,6 +15,7 @@ arrive meanwhile wait their turn; `warming` says how far it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import queue
 import threading
@@ -156,6 +157,7 @@ class Service:
 
   def _run(self) -> None:
     jobs: list[Job] = []
+    orchestrator = None
     try:
       warm_up = self.warming is not None
       if self.engine.ladder:
@@ -183,6 +185,8 @@ class Service:
       for job in jobs:
         job.post("error", Unavailable(self.error))
     finally:
+      if orchestrator is not None:
+        orchestrator.close()
       for job in jobs:
         job.post("done", "cancelled")
       while not self._inbox.empty():
@@ -192,6 +196,8 @@ class Service:
   def _warm_up(self, orchestrator: Orchestrator) -> None:
     """Runs `warm_up_requests` one at a time (a shutdown stops it between two)."""
     plan, start = warm_up_requests(self.engine), time.perf_counter()
+    chooser = orchestrator.chooser  # learns nothing from these made-up requests
+    record = None if chooser is None else dataclasses.replace(chooser.record)
     for done, (what, request) in enumerate(plan):
       if self.draining:
         return
@@ -200,6 +206,8 @@ class Service:
       orchestrator.generate([request])
       self.log(f"warming up {done + 1}/{len(plan)}: {what} "
                f"({time.perf_counter() - began:.1f} s)")
+    if chooser is not None:
+      chooser.record = record
     self.warming = None
     self.log(f"warm: {len(plan)} variants in {time.perf_counter() - start:.1f} s; taking requests")
 
