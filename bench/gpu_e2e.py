@@ -77,6 +77,11 @@ PRESETS = {
     "qwen3-8b": Preset(config=step_costs.PRESETS["qwen3-8b"].config,
                        dtype=step_costs.PRESETS["qwen3-8b"].dtype, attention="pallas",
                        new_tokens=256, repeats=2, needs_gpu=True),
+    # Real Qwen3 shapes in float32 on this CPU (batch 1 reads its weights as 8B does a GPU's).
+    "qwen3-0.6b": Preset(config=step_costs.PRESETS["qwen3-0.6b"].config, dtype=jnp.float32,
+                         attention="xla", new_tokens=64, repeats=2, needs_gpu=False),
+    "qwen3-1.7b": Preset(config=step_costs.PRESETS["qwen3-1.7b"].config, dtype=jnp.float32,
+                         attention="xla", new_tokens=64, repeats=2, needs_gpu=False),
     "tiny": Preset(config=Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16),

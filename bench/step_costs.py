@@ -31,8 +31,9 @@ nothing about a GPU.
 
 Every piece runs `--batch` rows (one value per measuring run; each row holds `length` tokens)
 and is set against its floor (`jetflow_jax.roofline`: weights and each row's cache read once,
-FLOPs at the dense bf16 peak) on the device it runs on: bytes, FLOPs, floor and measured / floor,
-in the table and the JSON; 'n/a' (JSON null) on a CPU or a device the table lacks. The loops'
+FLOPs at the dense bf16 peak; on the CPU, at the float32 rate `roofline.host_device` measured for
+the piece's row count) on the device it runs on: bytes, FLOPs, floor and measured / floor, in the
+table and the JSON; 'n/a' (JSON null) on a device the table lacks. The loops'
 floor is that of one round at the loop's budget. `--floor-only` prints and writes the floors of
 a preset for `--device-kind` (several, comma-separated), `--batch` and `--lengths` (lists), and
 measures nothing.
@@ -106,6 +107,22 @@ PRESETS = {
         dtype=jnp.float32, head_layers=2, taps=(1, 3), block_size=16, mask_token_id=8191,
         lengths=(256,), budgets=(16, 32, 64, 128, 256), attention=("xla",), repeats=5,
         needs_gpu=False),
+    # Real Qwen3 shapes small enough for this CPU, where batch 1 is bound by reading the
+    # weights as Qwen3-8B is on a GPU (random float32 weights; tied embeddings as published).
+    "qwen3-0.6b": Preset(
+        config=Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, rope_theta=1e6, tie_word_embeddings=True),
+        dtype=jnp.float32, head_layers=3, taps=(1, 13, 25), block_size=16,
+        mask_token_id=QWEN3_MASK_TOKEN_ID, lengths=(512, 4096), budgets=(16, 64),
+        attention=("xla",), repeats=3, needs_gpu=False),
+    "qwen3-1.7b": Preset(
+        config=Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, rope_theta=1e6, tie_word_embeddings=True),
+        dtype=jnp.float32, head_layers=3, taps=(1, 13, 25), block_size=16,
+        mask_token_id=QWEN3_MASK_TOKEN_ID, lengths=(512, 4096), budgets=(16, 64),
+        attention=("xla",), repeats=3, needs_gpu=False),
     "qwen3-8b": Preset(
         config=Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -592,7 +609,8 @@ def run(plan: Plan) -> dict:
   results = {}
   device = jax.devices()[0]
   kind = getattr(device, "device_kind", str(device))
-  floor_device = roofline.device_for(kind)
+  # On the CPU, its own measured rates (roofline.host_device: measured once, then read).
+  floor_device = roofline.host_device() if device.platform == "cpu" else roofline.device_for(kind)
   with tqdm(total=num_pieces, desc="measure", unit="piece") as bar:
     for length in plan.lengths:
       results[str(length)] = measure_length(plan, compiler, length, params, rng, bar,

@@ -28,11 +28,22 @@ FLOP/s are dense bf16 (no sparsity) peaks from the vendors' data sheets; the dty
 the bytes per weight and cache entry. The table holds peaks only: a floor is a lower bound, and
 an "achievable" rate (the repo's issues use ~790 TFLOP/s for an H200, ~80% of peak, from no
 measurement here) would raise it above what the chip can do.
+
+The host CPU has no data sheet here: `host_device()` measures it (`measure_host`, a few
+seconds, kept in a JSON file for the next call): its read bandwidth by a float32 matrix-vector
+product over a matrix far larger than its caches, and its float32 matmul rate at 1, 8, 16, 64
+and 256 rows against such a matrix. Small-row matmuls run far below a CPU's peak, so a CPU
+floor takes the rate at the piece's own row count (`Cost.rows`). XLA's CPU backend computes
+bfloat16 matmuls in float32 (it converts the operands), so there is no bfloat16 rate to measure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import platform
+import time
 from typing import Any
 
 import numpy as np
@@ -43,11 +54,22 @@ from jetflow_jax.head_config import HeadConfig
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-  """One accelerator's peaks, per chip."""
+  """One accelerator's peaks, per chip; or the host CPU's measured rates."""
 
   name: str
   hbm_bytes_per_s: float
-  flops_per_s: float  # dense bf16 peak
+  flops_per_s: float  # dense bf16 peak (the host: its best measured float32 rate)
+  # The host: measured matmul FLOP/s by rows (ascending); a piece of R rows gets the rate
+  # interpolated at R (log-log), the first's below and the last's above. Empty: `flops_per_s`.
+  flops_by_rows: tuple[tuple[int, float], ...] = ()
+
+  def flops_at(self, rows: float) -> float:
+    """FLOP/s of matmuls over `rows` rows (tokens)."""
+    if not self.flops_by_rows or rows <= 0:
+      return self.flops_per_s
+    counts, rates = np.log([r for r, _ in self.flops_by_rows]), np.log(
+        [f for _, f in self.flops_by_rows])
+    return float(np.exp(np.interp(np.log(rows), counts, rates)))
 
 
 DEVICES = {d.name: d for d in (
@@ -76,6 +98,85 @@ _KINDS = (
 )
 
 
+HOST_ROWS = (1, 8, 16, 64, 256)
+HOST_ROOFLINE_ENV = "JETFLOW_HOST_ROOFLINE"
+
+
+def measure_host(matrix_bytes: int = 1 << 30, width: int = 2048, repeats: int = 5) -> Device:
+  """The host CPU's floor rates, measured through XLA (jitted, float32, best of `repeats`):
+  read bandwidth from a matrix-vector product over a `matrix_bytes` matrix of `width` columns,
+  and matmul FLOP/s at each of `HOST_ROWS` rows against a matrix a quarter that size (far past
+  the caches, as a layer's weights are)."""
+  import jax
+  import jax.numpy as jnp
+
+  def best(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  rows_total = matrix_bytes // (4 * width)
+  matrix = jax.jit(lambda key: jax.random.normal(key, (rows_total, width), jnp.float32))(
+      jax.random.key(0))
+  vector = jnp.ones((width,), jnp.float32)
+  bandwidth = matrix_bytes / best(jax.jit(lambda m, v: m @ v), matrix, vector)
+  weights = matrix[:rows_total // 4]  # [K, width]: a quarter, still far past the caches
+  rates = []
+  for rows in HOST_ROWS:
+    x = jnp.ones((rows, weights.shape[0]), jnp.float32)
+    seconds = best(jax.jit(lambda a, w: a @ w), x, weights)
+    rates.append((rows, 2.0 * rows * weights.size / seconds))
+  del matrix, weights
+  return Device("host CPU", bandwidth, max(f for _, f in rates), tuple(rates))
+
+
+def _host_key() -> dict:
+  import jax
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                   model)
+  except OSError:
+    pass
+  return {"cpu": model, "cores": os.cpu_count(), "jax": jax.__version__}
+
+
+def host_roofline_path() -> str:
+  """Where `host_device` keeps its measurement: $JETFLOW_HOST_ROOFLINE, by default
+  ~/.cache/jetflow_jax/host_roofline.json."""
+  return os.environ.get(HOST_ROOFLINE_ENV) or os.path.join(
+      os.path.expanduser("~"), ".cache", "jetflow_jax", "host_roofline.json")
+
+
+def host_device(remeasure: bool = False) -> Device:
+  """This machine's CPU as a `Device`: read from `host_roofline_path()` when it holds a
+  measurement of this CPU, core count and jax version, else measured (`measure_host`) and kept."""
+  path, key = host_roofline_path(), _host_key()
+  if not remeasure:
+    try:
+      with open(path) as f:
+        record = json.load(f)
+      if record["key"] == key:
+        return Device(record["name"], record["hbm_bytes_per_s"], record["flops_per_s"],
+                      tuple((int(r), float(f)) for r, f in record["flops_by_rows"]))
+    except (OSError, ValueError, KeyError, TypeError):
+      pass
+  device = measure_host()
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump({"key": key, **dataclasses.asdict(device)}, f, indent=1)
+    os.replace(path + ".tmp", path)
+  except OSError:  # a cache: the next call measures again
+    pass
+  return device
+
+
 def device_for(device_kind: str) -> Device | None:
   """The table entry of a `jax.Device.device_kind`, or None for a device not in the table."""
   words = set(device_kind.lower().replace("-", " ").split())
@@ -94,6 +195,7 @@ class Cost:
   matmul_flops: float = 0.0
   attention_flops: float = 0.0
   stages: tuple["Cost", ...] = ()  # the pieces, in order, of a cost made by `then`
+  rows: float = 0.0  # tokens each weight matmul multiplies (picks a host CPU's rate)
 
   @property
   def bytes(self) -> float:
@@ -116,7 +218,7 @@ def floor_seconds(cost: Cost, device: Device) -> float:
   whichever is slower (summed over the stages of a sequence)."""
   if cost.stages:
     return sum(floor_seconds(stage, device) for stage in cost.stages)
-  return max(cost.bytes / device.hbm_bytes_per_s, cost.flops / device.flops_per_s)
+  return max(cost.bytes / device.hbm_bytes_per_s, cost.flops / device.flops_at(cost.rows))
 
 
 def bound(cost: Cost, device: Device) -> str:
@@ -126,7 +228,7 @@ def bound(cost: Cost, device: Device) -> str:
     bounds = [bound(stage, device) for stage in cost.stages]
     return bounds[0] if len(set(bounds)) == 1 else "+".join(bounds)
   memory = cost.bytes / device.hbm_bytes_per_s
-  return "memory" if memory >= cost.flops / device.flops_per_s else "compute"
+  return "memory" if memory >= cost.flops / device.flops_at(cost.rows) else "compute"
 
 
 # --- parameter counts (checked against the init functions' shapes in tests/test_roofline.py) ---
@@ -208,7 +310,8 @@ def target_forward(config: Qwen3Config, dtype: Any, batch: int, tokens: int, cac
   kv_row = _kv_row_bytes(c, c.num_hidden_layers, size)
   return Cost(weight_bytes=weights, cache_bytes=batch * (cached + tokens) * kv_row,
               matmul_flops=2.0 * rows * active,
-              attention_flops=_attention_flops(c, c.num_hidden_layers, rows, cached + tokens))
+              attention_flops=_attention_flops(c, c.num_hidden_layers, rows, cached + tokens),
+              rows=rows)
 
 
 def ar_step(config: Qwen3Config, dtype: Any, batch: int, committed: int) -> Cost:
@@ -235,7 +338,8 @@ def head_forward(config: Qwen3Config, head: HeadConfig, dtype: Any, batch: int,
   return Cost(weight_bytes=(weights + lm_head + gathered) * size,
               cache_bytes=batch * cached * _kv_row_bytes(layer, head.num_layers, size),
               matmul_flops=2.0 * (rows * counts["layers"] + batch * head.depth * lm_head),
-              attention_flops=_attention_flops(layer, head.num_layers, rows, cached + block))
+              attention_flops=_attention_flops(layer, head.num_layers, rows, cached + block),
+              rows=rows)
 
 
 def commit(config: Qwen3Config, head: HeadConfig, dtype: Any, batch: int) -> Cost:
@@ -251,7 +355,7 @@ def commit(config: Qwen3Config, head: HeadConfig, dtype: Any, batch: int) -> Cos
   cache = rows * (2 * _kv_row_bytes(config, config.num_hidden_layers, size)
                   + _kv_row_bytes(layer, head.num_layers, size))
   return Cost(weight_bytes=weights * size, cache_bytes=cache,
-              matmul_flops=2.0 * rows * (fc + head.num_layers * kv_proj))
+              matmul_flops=2.0 * rows * (fc + head.num_layers * kv_proj), rows=rows)
 
 
 def round_cost(config: Qwen3Config, head: HeadConfig, dtype: Any, batch: int, committed: int,

@@ -232,3 +232,24 @@ def test_step_costs_floor_only_writes_every_device_batch_and_length(tmp_path, ca
   assert pieces["verify/256"]["bound"] == "compute" and pieces["ar_step"]["bound"] == "memory"
   b200 = record["devices"]["NVIDIA B200"]["batches"]["1"]["4096"]
   assert b200["ar_step"]["floor_ms"] < pieces["ar_step"]["floor_ms"]
+
+
+def test_host_device_is_measured_once_and_rated_by_rows(tmp_path, monkeypatch):
+  monkeypatch.setenv(roofline.HOST_ROOFLINE_ENV, str(tmp_path / "host.json"))
+  measured, measure = [], roofline.measure_host
+  small = lambda: measured.append(1) or measure(matrix_bytes=1 << 22, width=256, repeats=1)
+  monkeypatch.setattr(roofline, "measure_host", small)
+  host = roofline.host_device()
+  assert roofline.host_device() == host and measured == [1]  # the second read from the file
+  rows = [r for r, _ in host.flops_by_rows]
+  assert rows == list(roofline.HOST_ROWS) and host.hbm_bytes_per_s > 0
+  assert host.flops_per_s == max(f for _, f in host.flops_by_rows)
+  # Between measured row counts the rate is interpolated; outside, the nearest one's.
+  fake = roofline.Device("cpu", 1e10, 4e10, ((1, 1e9), (16, 1e10), (256, 4e10)))
+  for rows, rate in ((1, 1e9), (1000, 4e10), (0.5, 1e9)):
+    assert math.isclose(fake.flops_at(rows), rate)
+  assert math.isclose(fake.flops_at(4), 10 ** 9.5)  # halfway in log-log
+  # A CPU floor takes the rate at the piece's rows: 16 rows of 1.6e10 FLOPs and few bytes.
+  piece = roofline.Cost(weight_bytes=1.0, matmul_flops=1.6e10, rows=16)
+  assert math.isclose(roofline.floor_seconds(piece, fake), 1.6)
+  assert roofline.bound(piece, fake) == "compute"
