@@ -82,6 +82,8 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   monkeypatch.setattr(auto, "_seconds", {})
   steep = choose()
   assert steep.tokens == reference and set(steep.budgets) == {1}
+  # ... finished by AR rounds that keep no taps, compiled beside the ladder's programs.
+  assert any(isinstance(key[-1], RoundSpec) and not key[-1].taps for key in compiled.entries)
   assert json.loads(path.read_text())["heads"][0]["probes"] == 0
   # Flat costs, and a record of this head's good drafts: trees from the first round.
   table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}

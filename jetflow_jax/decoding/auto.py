@@ -140,15 +140,17 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
 def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable | None,
              ladder: tuple[int, ...], seconds_l: np.ndarray, flush_s: float, pending: int,
              prompt_lengths_b, record: HeadRecord, on_tokens=None,
-             schedule: Sequence[int] | None = None):
+             schedule: Sequence[int] | None = None, finish: Callable | None = None):
   """Rounds until every row is done, each run's budget chosen as the module docstring says, or
   taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments).
   The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
   (0: AR rounds commit their own, and `flush` may be None); `flush_s` is what a flush costs.
   `record` gives the prior of rows never drafted and the chance a probe wins, and takes in
-  what this run's drafts predicted, accepted and probed. Returns (state, the budget of every
-  round).
+  what this run's drafts predicted, accepted and probed. `finish` (AR rounds that keep no
+  taps, as plain AR's) runs the rest of the request once nothing can draft in it again: no
+  probe pays, and AR beats every tree at the prior the rows drift back to. Returns (state, the
+  budget of every round).
   """
   rows = len(prompt_lengths_b)
   probe_seconds_l = np.asarray(seconds_l, np.float64) + (flush_s if pending else 0.0)
@@ -165,12 +167,15 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       (state.done_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
   streamed = time.perf_counter()
   held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
+  finishing = False  # AR to the end of the request, through `finish`
   while not done_b.all():
     live_b = ~done_b
     tokens_l = model.estimate()[live_b].sum(axis=0)
     tokens_l[0] = live_b.sum()
     probing = False
-    if schedule is None:
+    if finishing:
+      index, runs = 0, ar_run
+    elif schedule is None:
       index = best_budget(tokens_l, seconds_l, ladder).index
       if not index and may_probe and (first_probe or model.probe_due(live_b)):
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
@@ -178,14 +183,21 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         probing, may_probe, first_probe = index > 0, index > 0, False
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       runs = 1 if index else min(ar_run, wait) if may_probe else ar_run
+      prior_l = record.prior_tau() * live_b.sum()
+      prior_l[0] = live_b.sum()
+      finishing = finishing or (finish is not None and not index and not may_probe
+                                and not best_budget(prior_l, seconds_l, ladder).index)
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
     budget = ladder[index]
-    if pending and (held == pending or (budget > 1 and (held or not flushed))):
-      state, held, flushed = flush(state), 0, True
-    if budget == 1 and pending:
-      runs = min(runs, pending - held)
-    state = advance_l[index](state, max(runs, 1))
+    if finishing:
+      state = finish(state, runs)
+    else:
+      if pending and (held == pending or (budget > 1 and (held or not flushed))):
+        state, held, flushed = flush(state), 0, True
+      if budget == 1 and pending:
+        runs = min(runs, pending - held)
+      state = advance_l[index](state, max(runs, 1))
     done_b, new_rounds_b, lengths_b = to_host((state.done_b, state.rounds_b, state.lengths_b))
     ran_b = new_rounds_b - rounds_b
     if budget > 1:  # any drafting round predicts every budget of the ladder

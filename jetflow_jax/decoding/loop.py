@@ -272,13 +272,19 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                for _, decode_fn in compiled_l]
   prefill_fn = compiled_l[0][0]
   pending = pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size)
-  flush_exe = flush_fn = None
+  flush_exe = flush_fn = finish_fn = None
+  decode_fns = [fn for _, fn in compiled_l]
   if pending:  # a drafter with taps, under auto
     flush_exe = compile_flush(drafter_params, prefill_fn, drafter, mesh)
     flush_fn = functools.partial(flush_exe, drafter_params)
+    # AR rounds that keep no taps: a request's rest once nothing will draft in it again.
+    _, finish_exe = compile_decode(target_params, drafter_params, rows,
+                                   dataclasses.replace(specs[0], taps=False), cache_size)
+    finish_fn = functools.partial(finish_exe, target_params, drafter_params)
+    decode_fns.append(finish_exe)
     compile_s = time.perf_counter() - start
-  warmup_s = (warm_up(prefill_fn, [fn for _, fn in compiled_l], flush_exe, target_params,
-                      drafter_params, args) if auto or warmup else 0.0)
+  warmup_s = (warm_up(prefill_fn, decode_fns, flush_exe, target_params, drafter_params, args)
+              if auto or warmup else 0.0)
 
   calibrate_s, budgets = 0.0, []
   start = time.perf_counter()
@@ -293,7 +299,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
     calibrate_s = time.perf_counter() - calibrating
     state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, flush_s,
                               pending, rows.lengths_b, record, on_tokens,
-                              None if auto is True else auto)
+                              None if auto is True else auto, finish_fn)
   else:
     state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)

@@ -74,6 +74,9 @@ class RoundSpec:
   # into `DecodeState.predicted_bl`), for the loop that picks each round's budget; () for none.
   ladder: tuple[int, ...] = ()
   mesh: DecodeMesh | None = None
+  # False: the round computes and keeps no taps for the drafter (an AR round after which nothing
+  # will draft again in the request: the loop choosing budgets finishes a request with it).
+  taps: bool = True
 
 
 @flax.struct.dataclass
@@ -124,7 +127,7 @@ def draft_and_verify(target_params, drafter_params, state: DecodeState,
         target_params, spec.config, tree.tokens,
         positions_bt=context_len_b[:, None] + tree.depths, cache=state.cache,
         cache_index_b=context_len_b, tree_mask_btt=None if in_place else tree.ancestor_mask,
-        tap_layers=spec.drafter.tap_layers, impl=spec.impl,
+        tap_layers=spec.drafter.tap_layers if spec.taps else (), impl=spec.impl,
         mesh=None if spec.mesh is None else spec.mesh.mesh)
     logits_bnv = lm_logits(target_params, spec.config, hidden_bnd)
   return Verified(tree=tree, logits_bnv=logits_bnv, kv=tree_kv, taps_bnld=taps_bnld,
@@ -193,13 +196,13 @@ def commit_choices(drafter_params, state: DecodeState, verified: Verified, choic
     path_taps = None if taps_bnld is None else _take_rows(taps_bnld, path_bd)
     drafter_state, pending = state.drafter_state, state.pending_taps_bpld
     pending_from_b = state.pending_from_b
-    if spec.tree_shape.kind == "root" and pending.shape[1]:
+    if spec.taps and spec.tree_shape.kind == "root" and pending.shape[1]:
       # Kept back, one row a round, for the next drafting round to commit all at once.
       write = lambda buffer, row, at: jax.lax.dynamic_update_slice_in_dim(buffer, row, at, 0)
       pending = jax.vmap(write)(pending, path_taps.astype(pending.dtype),
                                 jnp.clip(context_len_b - pending_from_b, 0,
                                          pending.shape[1] - 1))
-    else:
+    elif spec.taps:  # without taps nothing drafts after this round: the state stays as it is
       drafter_state = drafter.commit(drafter_params, drafter_state, path_taps, context_len_b)
     tokens_bs = write_rows(state.tokens_bs, emitted_bd, state.lengths_b)
     lengths_b = state.lengths_b + count_b
