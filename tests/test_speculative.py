@@ -14,9 +14,9 @@ from jetflow_jax.decoding import RoundSpec, TreeShape, decode_prompts, generate
 from jetflow_jax.decoding.loop import batch_rows, compile_decode
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import ConfigError, InputError
-from jetflow_jax.head import append_context, init_head_cache, init_head_params
+from jetflow_jax.head import append_context, draft_logits, init_head_cache, init_head_params
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.model import KVCache, forward
+from jetflow_jax.model import KVCache, forward, with_kernel_layout
 from jetflow_jax.sampling import Greedy, Sampling
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
                                     make_train_step)
@@ -324,3 +324,19 @@ def test_pallas_attention_gives_the_same_tokens(target, trained_head):
   result = jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS[:2], 8,
                                             budget=6, top_k=2, stop_tokens=(), attention="pallas")
   assert result.tokens == ar_greedy(config, params, PROMPTS[:2], 8)
+
+
+def test_speculative_decoding_with_out_in_kernels_equals_ar(target, trained_head):
+  """Kernels stored out_in (`model.with_kernel_layout`): the head drafts what it drafted, and
+  decoding stays lossless and accepts as much."""
+  config, params = target
+  head, head_params = trained_head
+  reference = ar_greedy(config, params, PROMPTS, 16)
+  fast, fast_head = (with_kernel_layout(jax.tree.map(jnp.copy, tree), "out_in")
+                     for tree in (params, head_params))
+  tokens = np.array([[5, 17, 3, 88, 40]])
+  np.testing.assert_allclose(draft_logits(fast_head, head, fast, config, tokens),
+                             draft_logits(head_params, head, params, config, tokens), atol=1e-5)
+  result = jetflow_jax.speculative_generate(fast, config, fast_head, head, PROMPTS, 16,
+                                            method="jetflow", budget=16, top_k=3, stop_tokens=())
+  assert result.tokens == reference and result.tau > 1.2
