@@ -143,11 +143,26 @@ def draft_block(head_params, config: HeadConfig, target_params, target_config: Q
 @functools.partial(jax.jit, static_argnames=("head_config", "target_config"))
 def draft_logits(head_params, head_config: HeadConfig, target_params,
                  target_config: Qwen3Config, token_ids):
-  """Per-depth draft logits `[batch, block_size - 1, vocab]`.
+  """Per-depth draft logits `[batch, block_size - 1, vocab]`. Jitted.
 
-  The last token of `token_ids` (`[batch, n]`, n >= 2) is the anchor; the
-  target's taps of the n - 1 earlier tokens are the context, at positions
-  0..n-2, and the block sits at positions n-1 .. n-2+block.
+  The last token of `token_ids` is the anchor; the target's taps of the n - 1 earlier tokens
+  are the context, at positions 0..n-2, and the block sits at positions n-1 .. n-2+block.
+  This is the decode-time path from scratch (one target forward for the taps, then the head);
+  decoding itself keeps the head's context K/V across rounds (`drafters.HeadDrafter`).
+
+  Args:
+    head_params: the head's params.
+    head_config: its config (static).
+    target_params: the target's params (its embedding, taps and LM head are used).
+    target_config: the target's config (static).
+    token_ids: `[batch, n]` int token ids, n >= 2.
+
+  Returns:
+    float32 logits `[batch, block_size - 1, vocab]`: row k - 1 is the distribution of the token
+    at depth k after the anchor.
+
+  Raises:
+    InputError: fewer than 2 tokens per row.
   """
   token_ids = jnp.asarray(token_ids, jnp.int32)
   batch, n = token_ids.shape

@@ -41,7 +41,16 @@ def abstract_head_params(config: HeadConfig, dtype=jnp.float32):
 
 
 def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat16) -> None:
-  """Writes `config.json` + `model.safetensors` in the reference layout."""
+  """Writes `config.json` + `model.safetensors` in the reference layout.
+
+  The reference's decode code (`DFlashDraftModel`) and `load_head` read the result.
+
+  Args:
+    head_params: the head's params.
+    config: its config.
+    out_dir: the directory to write (created if missing).
+    dtype: the dtype of the saved tensors.
+  """
   os.makedirs(out_dir, exist_ok=True)
   params = cast(head_params, dtype)
   hf_params.save_tensors(params, head_tensors(config), os.path.join(out_dir, "model.safetensors"))
@@ -79,9 +88,19 @@ def restore_head_params(workdir: str, abstract_params):
 def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   """Loads a draft head as (HeadConfig, params).
 
-  `path` is a reference-layout HF directory (JetSpec / DFlash heads, or ours
-  exported with `save_hf_head`) or a training workdir of `train.py` (its
-  latest checkpoint), or a Hugging Face repo id (`JetSpec/jetspec-qwen3-8b[@rev]`).
+  Args:
+    path: a reference-layout HF directory (JetSpec / DFlash heads, or ours exported with
+      `save_hf_head`), a training workdir of `train.py` (its latest checkpoint), or a Hugging
+      Face repo id (`JetSpec/jetspec-qwen3-8b[@rev]`).
+    dtype: every param is cast to it.
+
+  Returns:
+    `(head_config, head_params)`.
+
+  Raises:
+    CheckpointError: a missing directory, file or tensor, a shape that disagrees with the
+      config, or a workdir with no checkpoint yet.
+    ConfigError: a `config.json` that is not a draft head's.
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   if (config := workdir_head_config(path)) is not None:

@@ -30,10 +30,14 @@ Dtype = Any
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated per-layer key/value buffers, each `[B, S, K, H]`.
+  """Preallocated per-layer key/value buffers, each `[B, S, K, H]`. A pytree.
 
   Slots are plain storage: which slots a query may read is decided by the mask
   passed to each forward, and where new keys land by `cache_index`.
+
+  Attributes:
+    k: one key buffer `[B, S, K, H]` per layer.
+    v: one value buffer `[B, S, K, H]` per layer.
   """
 
   k: tuple[jax.Array, ...]
@@ -41,6 +45,7 @@ class KVCache:
 
   @property
   def size(self) -> int:
+    """S, the number of slots."""
     return self.k[0].shape[1]
 
   @classmethod
@@ -57,6 +62,7 @@ class KVCache:
 
   @classmethod
   def zeros(cls, config: Qwen3Config, batch: int, size: int, dtype: Dtype) -> "KVCache":
+    """A zeroed cache of `size` slots for every layer of `config`."""
     shape = (batch, size, config.num_key_value_heads, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
     return cls(k=zeros, v=zeros)
@@ -433,10 +439,18 @@ def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = Non
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers"))
 def qwen3_forward(params, config: Qwen3Config, token_ids, tap_layers: Sequence[int] = ()):
-  """Full-sequence causal forward: float32 logits `[batch, seq, vocab]`.
+  """Full-sequence causal forward: float32 logits `[batch, seq, vocab]`. Jitted.
 
-  With `tap_layers`, returns `(logits, taps)` where taps is
-  `[batch, seq, len(tap_layers), hidden]` (raw outputs of those decoder layers).
+  Args:
+    params: the target's params, as `load_qwen3` returns them.
+    config: the target's config (static).
+    token_ids: `[batch, seq]` int token ids.
+    tap_layers: decoder layers whose raw outputs to return too (static).
+
+  Returns:
+    The logits, float32 `[batch, seq, vocab]`; with `tap_layers`, `(logits, taps)` where taps is
+    `[batch, seq, len(tap_layers), hidden]` (raw outputs of those decoder layers, before the
+    final norm).
   """
   hidden, _, taps = forward(params, config, jnp.asarray(token_ids, jnp.int32),
                             tap_layers=tap_layers)
