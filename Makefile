@@ -1,4 +1,5 @@
 # `make test` and `make decode` are the whole set-up: each creates .venv on first use.
+# `make docs` builds the documentation site into docs/_build/html (offline, warnings as errors).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ ARGS ?= --max-new-tokens 128
 CONFIG ?= configs/embedded.py:quick
 WORKDIR ?= runs/quick
 
-.PHONY: install test decode train clean
+.PHONY: install test docs decode train clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +20,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
+
+# Runs docs/guides/walkthrough.py once and every CLI's --help; Sphinx warnings fail the build.
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 decode: $(STAMP)
 	$(BIN)/python decode.py $(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") --prompt "$(PROMPT)" $(ARGS)
@@ -32,4 +43,4 @@ train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build
