@@ -14,8 +14,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import jetflow_jax
+from jetflow_jax import compile_cache
 from jetflow_jax.embedded import default_head, default_target
 
+compile_cache.enable()  # compiled programs kept on disk: a second run loads them, as decode.py does
 target_dir = default_target()  # the target shipped in the package
 config, target_params = jetflow_jax.load_qwen3(target_dir)  # float32 by default
 head_config, head_params = jetflow_jax.load_head(default_head("jetflow"))
