@@ -63,7 +63,24 @@ def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Confi
 
 
 def save_converted(hf_dir: str, out_dir: str, dtype=jnp.bfloat16) -> Qwen3Config:
-  """Converts a HF checkpoint to orbax params plus its config and tokenizer files."""
+  """Converts a HF checkpoint to orbax params plus its config and tokenizer files.
+
+  `python -m jetflow_jax.convert` calls it; `load_qwen3` reads the result faster than the
+  safetensors.
+
+  Args:
+    hf_dir: the HF checkpoint (directory or hub id).
+    out_dir: the directory to write.
+    dtype: the params' dtype on disk.
+
+  Returns:
+    The checkpoint's config.
+
+  Raises:
+    CheckpointError: `out_dir` already holds params (or an interrupted conversion), or the
+      checkpoint cannot be read.
+    ConfigError: a config this port does not support.
+  """
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(os.path.join(out_dir, PARAMS_SUBDIR)):
     state = "converted params" if is_converted(out_dir) else "an interrupted conversion"

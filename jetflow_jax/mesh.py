@@ -34,7 +34,12 @@ RULES: partitioning.Rules = {
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """`tp=4,ep=2` -> {"tp": 4, "ep": 2}; unknown axes and bad sizes are refused by name."""
+  """`tp=4,ep=2` -> {"tp": 4, "ep": 2}.
+
+  Raises:
+    InputError: an unknown axis, a size that is not a positive integer, or an axis given twice
+      (each named).
+  """
   sizes = {}
   for part in filter(None, (p.strip() for p in text.split(","))):
     name, _, value = part.partition("=")

@@ -350,6 +350,29 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   `experts` picks the MoE layers' grouped matmuls (see `moe.MoE`); with a decode `mesh`
   (axes data, tp, ep; params placed by `jetflow_jax.mesh.DecodeMesh`) MoE layers run
   expert-parallel instead.
+
+  Args:
+    params: the target's params.
+    config: its config.
+    tokens_bt: `[B, T]` token ids.
+    positions_bt: `[B, T]` RoPE positions; by default the rows' slots.
+    cache: a `KVCache` to write into (and read), or None.
+    cache_index_b: `[B]` the slot of each row's first token; by default 0.
+    mask_bts: `[B, T, S]` (or `[B, T, T]` without a cache) which keys each row reads; by
+      default causal over slots.
+    tap_layers: decoder layers whose raw outputs to return.
+    dtype: the compute dtype; by default the params'.
+    impl: the attention path (`xla`, `pallas`, `pallas_tpu`).
+    tree_mask_btt: `[B, T, T]` for tree verification and draft blocks: the cache is only read.
+    experts: the MoE layers' grouped matmuls (`ragged`, `blocked`).
+    mesh: a decode mesh, for expert-parallel MoE layers.
+
+  Returns:
+    `(hidden_btd, cache, taps)`: the final-normed hidden states `[B, T, D]`, the cache (or the
+    rows' own K/V), and the taps `[B, T, len(tap_layers), D]` (None without taps).
+
+  Raises:
+    ValueError: `tree_mask_btt` without a cache.
   """
   batch, length = tokens_bt.shape
   if cache_index_b is None:
@@ -431,7 +454,9 @@ def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = N
 
 
 def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = None):
-  """The target's float32 logits for final-normed hidden states."""
+  """The target's float32 logits `[..., V]` for final-normed hidden states `[..., D]` (the LM
+  head, or the embedding when tied; computed in `dtype`, default the params', accumulated in
+  float32)."""
   dtype = dtype or params_dtype(params)
   return Qwen3(config, dtype=dtype, layout=kernel_layout(params)).apply(
       {"params": params}, hidden_btd, method=Qwen3.logits)
