@@ -37,7 +37,7 @@ class HeadConfig:
   num_key_value_heads: int
   head_dim: int
   target_layer_ids: tuple[int, ...]
-  num_target_layers: int
+  num_target_layers: int  # 0 when unknown (see `speculators_format.from_speculators_dict`)
   vocab_size: int
   block_size: int = 16
   mask_token_id: int = QWEN3_MASK_TOKEN_ID
@@ -97,7 +97,8 @@ class HeadConfig:
                       f"{target.hidden_size} (the head uses the target's embedding and LM head)")
     if self.vocab_size != target.vocab_size:
       problems.append(f"head vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
-    if self.num_target_layers != target.num_hidden_layers:
+    # 0: unknown (a speculators head whose verifier's config was not at hand)
+    if self.num_target_layers not in (0, target.num_hidden_layers):
       problems.append(f"head was built for a {self.num_target_layers}-layer target; this target "
                       f"has {target.num_hidden_layers} layers")
     # A tap on the last layer is ambiguous (HF's last hidden state is final-normed): refuse it.
