@@ -91,8 +91,7 @@ def draft_vocab_head(causal=True):
   return head, params
 
 
-@pytest.mark.parametrize("causal,draft_vocab", [(True, False), (False, False), (True, True),
-                                                (False, True)])
+@pytest.mark.parametrize("causal,draft_vocab", [(True, False), (False, True)])
 def test_speculators_round_trip_is_exact(tmp_path, causal, draft_vocab):
   if draft_vocab:
     head, params = draft_vocab_head(causal)
