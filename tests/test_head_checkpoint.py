@@ -10,6 +10,8 @@ import pytest
 import safetensors.numpy
 from safetensors import safe_open
 
+from conftest import run_cli
+from jetflow_jax import embedded
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import CheckpointError, ConfigError
 from jetflow_jax.head import init_head_params
@@ -199,3 +201,27 @@ def test_a_checkpoint_with_other_tensors_or_a_broken_draft_vocab_is_refused(tmp_
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
   with pytest.raises(CheckpointError, match="qkv_proj"):
     load_head(str(tmp_path))
+
+
+def test_embedded_heads_exported_load_back_bit_for_bit(tmp_path):
+  """What `decode.py --head DIR` then drafts with: the shipped (bfloat16) heads, exported as
+  their speculators types naming the embedded target, load back as the same head."""
+  for kind, speculators_type in (("dflash", "dflash"), ("jetflow", "jetspec")):
+    out = tmp_path / kind
+    export_head(embedded.HEAD_DIRS[kind], "speculators", str(out))
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == speculators_type
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == embedded.TARGET_DIR
+    want_config, want = load_head(embedded.HEAD_DIRS[kind], jnp.bfloat16)
+    got_config, got = load_head(str(out), jnp.bfloat16)
+    assert got_config == want_config
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_export_cli_names_what_is_missing_in_one_line(tmp_path):
+  head = HeadConfig.for_target(TARGET, num_layers=1, block_size=4, mask_token_id=95)
+  save_hf_head(init_head_params(head, jax.random.key(0)), head, str(tmp_path / "head"))
+  done = run_cli("-m", "jetflow_jax.export_head", "--head", str(tmp_path / "head"),
+                 "--format", "speculators", "--out", str(tmp_path / "out"))
+  assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+  assert "pass --verifier" in done.stderr and not (tmp_path / "out").exists()
