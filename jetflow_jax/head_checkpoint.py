@@ -125,12 +125,12 @@ def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat
 
 
 def save_speculators_head(head_params, config: HeadConfig, out_dir: str, verifier: Verifier,
-                          dtype=jnp.bfloat16) -> None:
+                          dtype=jnp.bfloat16, kind: str | None = None) -> None:
   """Writes `config.json` + `model.safetensors` as vLLM speculators' `dflash` (bidirectional) or
-  `jetspec` (causal) type, naming `verifier` (see `speculators_format`)."""
+  `jetspec` (causal) type, or `kind`, naming `verifier` (see `speculators_format`)."""
+  raw = speculators_format.to_speculators_dict(config, verifier, jnp.dtype(dtype).name, kind)
   os.makedirs(out_dir, exist_ok=True)
   write_weights(head_params, config, out_dir, dtype)
-  raw = speculators_format.to_speculators_dict(config, verifier, jnp.dtype(dtype).name)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(raw, f, indent=2)
 
@@ -203,9 +203,10 @@ def default_verifier(head_path: str, raw: dict | None) -> str | None:
 
 
 def export_head(head: str, fmt: str, out_dir: str, verifier: str | None = None,
-                dtype=jnp.bfloat16) -> tuple[HeadConfig, Verifier | None]:
-  """Writes the head `head` (anything `load_head` reads) to `out_dir` as `fmt` (`speculators` or
-  `reference`); returns its config and the verifier named (read when it was at hand).
+                dtype=jnp.bfloat16, kind: str | None = None) -> tuple[HeadConfig, Verifier | None]:
+  """Writes the head `head` (anything `load_head` reads) to `out_dir` as `fmt` (`speculators`,
+  of type `kind` if given, or `reference`); returns its config and the verifier named (read
+  when it was at hand).
 
   The verifier defaults to the one the head names (speculators format) or the embedded target
   (embedded heads); the speculators format needs one. When its config.json is at hand (a
@@ -213,6 +214,8 @@ def export_head(head: str, fmt: str, out_dir: str, verifier: str | None = None,
   """
   if fmt not in FORMATS:
     raise ConfigError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")
+  if kind is not None and fmt != "speculators":
+    raise ConfigError("--speculators-type applies to --format speculators only")
   source = os.path.abspath(os.path.expanduser(hub.resolve(head)))
   out = os.path.abspath(os.path.expanduser(out_dir))
   if out == source:
@@ -236,7 +239,7 @@ def export_head(head: str, fmt: str, out_dir: str, verifier: str | None = None,
   if target is None:
     raise ConfigError("the speculators format names the verifier the head drafts for: pass "
                       "--verifier (a hub id such as Qwen/Qwen3-8B, or a local directory)")
-  save_speculators_head(params, config, out, target, dtype)
+  save_speculators_head(params, config, out, target, dtype, kind)
   return config, target
 
 

@@ -16,7 +16,9 @@ Where speculators' conventions differ from ours:
   JetSpec does. Our jetspec exports say so by carrying `mask_token_id` (the config classes
   keep fields they do not declare), and a jetspec head without one is refused on import:
   drafting it from MASK rows would run it on inputs it never saw.
-Fields of ours that neither type declares ride along the same way: `num_target_layers`.
+Fields of ours that neither type declares ride along the same way: `num_target_layers`, and
+`transformer_layer_config.is_causal` (vLLM's DFlash layers read it: a causal head written as
+the dflash type, which vLLM serves, keeps its causal in-block attention there).
 """
 
 from __future__ import annotations
@@ -93,12 +95,21 @@ def layer_config_dict(config: HeadConfig) -> dict[str, Any]:
       "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
       "layer_types": ["full_attention"] * config.num_layers, "tie_word_embeddings": False,
       "vocab_size": config.vocab_size,
+      # vLLM's DFlash layers attend causally inside the block when their config says so.
+      "is_causal": config.causal,
   }
 
 
-def to_speculators_dict(config: HeadConfig, verifier: Verifier, dtype: str) -> dict[str, Any]:
-  """The `config.json` of `config` as its speculators type, naming `verifier`."""
-  kind = TYPES[config.causal]
+def to_speculators_dict(config: HeadConfig, verifier: Verifier, dtype: str,
+                        kind: str | None = None) -> dict[str, Any]:
+  """The `config.json` of `config` as speculators type `kind` (default: its own, `TYPES`),
+  naming `verifier`. A causal head may also be written as the `dflash` type, its layers marked
+  `is_causal` (what vLLM's DFlash drafter reads); a bidirectional one is never `jetspec`."""
+  kind = kind or TYPES[config.causal]
+  if kind not in MODEL_CLASSES:
+    raise ConfigError(f"speculators type must be one of {', '.join(MODEL_CLASSES)} (got {kind!r})")
+  if kind == "jetspec" and not config.causal:
+    raise ConfigError("a bidirectional (DFlash) head is speculators' dflash type, not jetspec")
   raw = {
       "architectures": [MODEL_CLASSES[kind]],
       "speculators_model_type": kind,
@@ -183,5 +194,6 @@ def from_speculators_dict(raw: dict[str, Any], source: str = "config.json") -> H
       num_key_value_heads=layers.num_key_value_heads, head_dim=layers.head_dim,
       target_layer_ids=tuple(i - 1 for i in aux), num_target_layers=int(num_target_layers),
       vocab_size=layers.vocab_size, block_size=block_size, mask_token_id=int(mask_token_id),
-      causal=kind == "jetspec", rms_norm_eps=layers.rms_norm_eps, rope_theta=layers.rope_theta,
+      causal=kind == "jetspec" or bool(layer_raw.get("is_causal")),
+      rms_norm_eps=layers.rms_norm_eps, rope_theta=layers.rope_theta,
       draft_vocab_size=0 if draft_vocab == layers.vocab_size else draft_vocab)

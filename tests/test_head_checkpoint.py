@@ -1,6 +1,7 @@
 """Head checkpoints, reference layout and speculators format: export, import, round trip, config
 checks, draft vocabularies."""
 
+import dataclasses
 import json
 
 import jax
@@ -151,6 +152,20 @@ def test_speculators_export_has_the_types_fields_and_weight_names(tmp_path, caus
   assert d2t.dtype == np.int64 and t2d.dtype == bool and t2d.sum() == 10
   np.testing.assert_array_equal(np.arange(10) + d2t, IDS)  # draft id + d2t = target id
   np.testing.assert_array_equal(np.flatnonzero(t2d), IDS)
+
+
+def test_a_causal_head_as_the_dflash_type_keeps_its_mask(tmp_path):
+  """What vLLM serves today: the dflash type, its layers marked `is_causal` (vLLM's DFlash layers
+  read it); it loads back causal. A bidirectional head is never the jetspec type."""
+  head, params = draft_vocab_head(causal=True)
+  save_speculators_head(params, head, str(tmp_path), VERIFIER, kind="dflash")
+  raw = json.loads((tmp_path / "config.json").read_text())
+  assert raw["speculators_model_type"] == "dflash"
+  assert raw["transformer_layer_config"]["is_causal"] is True
+  assert load_head(str(tmp_path))[0] == head
+  with pytest.raises(ConfigError, match="not jetspec"):
+    save_speculators_head(params, dataclasses.replace(head, causal=False), str(tmp_path / "b"),
+                          VERIFIER, kind="jetspec")
 
 
 def speculators_dir(tmp_path, **changes):
