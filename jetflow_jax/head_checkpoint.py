@@ -30,7 +30,8 @@ from jetflow_jax.speculators_format import Verifier
 HEAD_CONFIG_FILE = "head_config.json"  # a training workdir's head, in the reference layout
 CHECKPOINT_SUBDIR = "checkpoints"  # a training workdir's orbax checkpoints, one per step
 WEIGHTS_FILE = "model.safetensors"
-# Tensors a speculators checkpoint may hold that its loader takes from the verifier.
+# Tensors a checkpoint may hold that are the target's (speculators' loader takes them from the
+# verifier): ignored.
 VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
@@ -182,11 +183,11 @@ def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   source = os.path.join(path, "config.json")
   if speculators_format.is_speculators_config(raw):
     config = speculators_format.from_speculators_dict(raw, source)
-    # A full-vocabulary lm_head is the verifier's own: speculators' loader ignores it too.
-    extra = VERIFIER_OWNED + (() if config.draft_vocab_size else ("lm_head.weight",))
-    return config, read_weights(path, config, dtype, extra)
-  config = HeadConfig.from_hf_dict(raw, source)
-  return config, read_weights(path, config, dtype)
+  else:
+    config = HeadConfig.from_hf_dict(raw, source)
+  # A full-vocabulary lm_head is the target's own: speculators' loader ignores it too.
+  extra = VERIFIER_OWNED + (() if config.draft_vocab_size else ("lm_head.weight",))
+  return config, read_weights(path, config, dtype, extra)
 
 
 FORMATS = ("speculators", "reference")
