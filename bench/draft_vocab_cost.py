@@ -7,12 +7,13 @@ Run from the repository root (it measures this checkout's `jetflow_jax`):
 
 Per preset and draft vocabulary K (0: the target's whole vocabulary), one `HeadDrafter.draft`
 after `--committed` tokens: its roofline floor on each accelerator of `roofline.DEVICES` in
-bfloat16 (what serving would run; `--batch` rows), and its median time measured here on the
-CPU in float32 at batch 1, set against the CPU's read floor (its bytes at the ~31 GB/s BLAS
-reaches on this machine, DESIGN.md section 4). Presets: `cpu-small` (step_costs.py's: a
-6-layer width-256 target over 8,192 tokens, 2-layer head) and `qwen3-8b` (Qwen3-8B shapes,
-the reference's 5-layer head; on the CPU its embedding is tied to its LM head, which reads the
-same bytes, so it fits in ~7 GB). Params are constants: values do not change a matmul's time.
+bfloat16 (what serving would run; `--batch` rows), and its time measured here on the CPU in
+float32 at batch 1 (least and median of `--repeats`) against the CPU's own floor
+(`roofline.host_device()`: its measured read bandwidth and matmul rate at the piece's row
+count; `JETFLOW_HOST_ROOFLINE=FILE` measures it afresh into FILE). Presets: `cpu-small`
+(step_costs.py's: a 6-layer width-256 target over 8,192 tokens, 2-layer head) and `qwen3-8b`
+(Qwen3-8B shapes, untied as Qwen3-8B is, the reference's 5-layer head: ~9 GB in float32).
+Params are constants: values do not change a matmul's time.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from jetflow_jax.head import with_draft_vocab
 from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.head_config import HeadConfig
 
-CPU_READ_BYTES_PER_S = 31e9  # BLAS gemv over 2 GiB on this machine's CPU (DESIGN.md)
 PRESETS = {
     "cpu-small": (Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=768,
                               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -54,28 +54,31 @@ def constant_params(abstract):
   return jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), abstract)
 
 
-def measure(target: Qwen3Config, head: HeadConfig, committed: int, repeats: int) -> float:
-  """Median seconds of one jitted float32 draft on this machine (the target's table tied)."""
-  table = jnp.full((target.vocab_size, target.hidden_size), 0.01, jnp.float32)
-  tied = dataclasses.replace(target, tie_word_embeddings=True)
-  target_params = {"embed_tokens": {"embedding": table}}
+def measure(target: Qwen3Config, head: HeadConfig, committed: int,
+            repeats: int) -> tuple[float, float]:
+  """(least, median) seconds of one jitted float32 draft on this machine; on a shared machine
+  the least is the one other work disturbed least."""
+  shape = (target.vocab_size, target.hidden_size)
+  target_params = {"embed_tokens": {"embedding": jnp.full(shape, 0.01, jnp.float32)}}
+  if not target.tie_word_embeddings:  # only what a draft reads: the table and the LM head
+    target_params["lm_head"] = {"kernel": jnp.full(shape[::-1], 0.01, jnp.float32)}
   full = dataclasses.replace(head, draft_vocab_size=0)
   params = constant_params(abstract_head_params(full))
   if head.draft_vocab_size:
     params = jax.jit(with_draft_vocab, static_argnums=2)(
-        params, target_params, tied, np.arange(head.draft_vocab_size, dtype=np.int32))
+        params, target_params, target, np.arange(head.draft_vocab_size, dtype=np.int32))
   drafter = HeadDrafter(head)
   taps = jnp.full((1, committed - 1, head.num_taps, head.hidden_size), 0.01, jnp.float32)
   state = jax.jit(drafter.init_state, static_argnums=3)(params, None, taps, committed)
   anchor, context_len = jnp.zeros((1,), jnp.int32), jnp.full((1,), committed - 1, jnp.int32)
-  draft = jax.jit(lambda p, t, s: drafter.draft(p, t, tied, s, anchor, context_len))
+  draft = jax.jit(lambda p, t, s: drafter.draft(p, t, target, s, anchor, context_len))
   draft(params, target_params, state).block_until_ready()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     draft(params, target_params, state).block_until_ready()
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return min(times), statistics.median(times)
 
 
 def main() -> None:
@@ -91,6 +94,7 @@ def main() -> None:
                                                     "draft_vocab_cost.json"))
   args = parser.parse_args()
   records = []
+  host = roofline.host_device()
   for name in args.presets.split(","):
     target, layers, taps, vocabs = PRESETS[name]
     vocabs = [int(k) for k in args.vocabs.split(",")] if args.vocabs else vocabs
@@ -102,23 +106,21 @@ def main() -> None:
           for device in roofline.DEVICES.values()}
       cpu = roofline.head_forward(target, head, jnp.float32, 1, args.committed)
       record = dict(preset=name, draft_vocab=k or target.vocab_size, floors_bf16=floors,
-                    cpu_float32_bytes=cpu.bytes,
-                    cpu_read_floor_ms=1e3 * cpu.bytes / CPU_READ_BYTES_PER_S)
+                    cpu_float32=roofline.summary(cpu, host))
       if not args.no_measure:
-        seconds = measure(target, head, args.committed, args.repeats)
-        record.update(cpu_ms=1e3 * seconds, cpu_gb_per_s=cpu.bytes / seconds / 1e9)
+        least, median = measure(target, head, args.committed, args.repeats)
+        record.update(cpu_ms=1e3 * least, cpu_median_ms=1e3 * median)
       records.append(record)
-      h200 = floors["H200"]
+      h200, cpu_floor = floors["H200"], record["cpu_float32"]["floor_ms"]
       print(f"{name:10s} K={record['draft_vocab']:>6d}  H200 floor {h200['floor_ms']:.3f} ms "
-            f"({h200['bytes'] / 1e9:.2f} GB bf16)  CPU float32: read floor "
-            f"{record['cpu_read_floor_ms']:.1f} ms"
-            + (f", measured {record['cpu_ms']:.1f} ms ({record['cpu_gb_per_s']:.1f} GB/s)"
+            f"({h200['bytes'] / 1e9:.2f} GB bf16)  CPU float32: floor {cpu_floor:.1f} ms"
+            + (f", measured {record['cpu_ms']:.1f} ms ({record['cpu_ms'] / cpu_floor:.1f}x)"
                if "cpu_ms" in record else ""), flush=True)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(dict(committed=args.committed, batch=args.batch, repeats=args.repeats,
                    jax_version=jax.__version__, load_average=os.getloadavg(),
-                   records=records), f, indent=1)
+                   host=dataclasses.asdict(host), records=records), f, indent=1)
   print(f"wrote {args.out}")
 
 
