@@ -62,6 +62,7 @@ def head_config(config: ml_collections.ConfigDict, target: Qwen3Config) -> HeadC
   head = HeadConfig.for_target(target, num_layers=h.num_layers,
                                target_layer_ids=tuple(h.target_layer_ids) or None,
                                block_size=h.block_size, mask_token_id=h.mask_token_id,
-                               causal=h.causal, **overrides)
+                               causal=h.causal, draft_vocab_size=h.get("draft_vocab_size", 0),
+                               **overrides)
   head.validate_for(target)
   return head

@@ -13,6 +13,12 @@ A drafter is a small frozen (hashable, static under jit) object with four member
   `start_b + t` were committed (their taps given; junk rows past what was committed are
   allowed, and must be overwritten later rather than read).
 
+A drafter whose log-probs cover a draft vocabulary smaller than the target's (`[B, D, K]`)
+also has `vocab_size` (K) and `to_target_ids(params, ids)`, which maps its ids to the
+target's: the tree is built over the draft ids, then its tokens are mapped, so verification
+and acceptance see target ids only (`target_ids` below; drafters without them draft over the
+target's vocabulary).
+
 Its params are an explicit pytree passed in by the caller. The trained head is the
 default; the tests' cheating drafter and a researcher's n-gram or EAGLE-style drafter
 plug in the same way.
@@ -28,7 +34,7 @@ import jax.numpy as jnp
 
 from jetflow_jax.attention import AttentionImpl
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.head import append_context, context_cache, draft_block
+from jetflow_jax.head import append_context, context_cache, draft_block, to_target_ids
 from jetflow_jax.head_config import HeadConfig
 
 
@@ -137,6 +143,13 @@ class HeadDrafter:
   def commit(self, params, state, taps_btld, start_b):
     return append_context(params, self.config, state, taps_btld, start_b, self.dtype)
 
+  @property
+  def vocab_size(self) -> int:
+    return self.config.output_vocab_size
+
+  def to_target_ids(self, params, ids):
+    return to_target_ids(params, self.config, ids)
+
 
 @dataclasses.dataclass(frozen=True)
 class NoDrafter:
@@ -154,3 +167,14 @@ class NoDrafter:
 
   def commit(self, params, state, taps_btld, start_b):
     return state
+
+
+def draft_vocab_size(drafter: Drafter, config: Qwen3Config) -> int:
+  """Tokens the drafter's log-probs cover."""
+  return getattr(drafter, "vocab_size", None) or config.vocab_size
+
+
+def target_ids(drafter: Drafter, params, ids):
+  """The target ids of token ids the drafter drafted (its draft vocabulary's, if it has one)."""
+  to_target = getattr(drafter, "to_target_ids", None)
+  return ids if to_target is None else to_target(params, ids)

@@ -8,6 +8,11 @@ block `[anchor, MASK x (block - 1)]`, embedded with the target's embedding,
 then runs through ordinary Qwen3 decoder layers whose queries read the context
 slots plus their block (causally or not), a final RMSNorm, and the target's LM
 head. Output row k (k >= 1) is the distribution of the token at depth k.
+
+A head with a draft vocabulary (`HeadConfig.draft_vocab_size` = K) predicts over K of the
+target's tokens instead: its params then hold its own LM head (`lm_head`, `[D, K]`, the
+target's rows for those tokens unless imported otherwise) and the target id of each draft
+token (`draft_vocab/target_ids`). Both stay frozen in training (`split_frozen`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from jetflow_jax.model import (DecoderLayer, Dtype, KernelLayout, KVCache, embed
                                kernel_layout, lm_logits, projection, write_rows)
 
 RematPolicy = Literal["none", "full", "dots"]
+DRAFT_VOCAB = "draft_vocab"  # params key: {"target_ids": [K] int32}, draft id -> target id
+FROZEN = ("lm_head", DRAFT_VOCAB)  # params a draft vocabulary adds, never trained
 # "dots" keeps the outputs of the weight matmuls (projections, MLP) and recomputes the rest. The
 # attention einsums carry batch axes, so they are recomputed too: saving them would keep the very
 # score matrices remat is there to drop.
@@ -97,7 +104,68 @@ def init_head_params(config: HeadConfig, rng: jax.Array, dtype: Dtype = jnp.floa
   cache = KVCache.zeros(c.layer_config(), 1, 1, dtype)
   variables = DraftHead(c, dtype).init(rng, taps, x, zero[:, None], cache, zero,
                                        jnp.ones((1, 1, 1), bool), method=DraftHead.init_everything)
-  return jax.tree.map(lambda p: p.astype(dtype), variables["params"])
+  params = jax.tree.map(lambda p: p.astype(dtype), variables["params"])
+  if c.draft_vocab_size:  # placeholders of the right shapes: training sets the real ones
+    kernel = jax.random.normal(jax.random.fold_in(rng, 1), (c.hidden_size, c.draft_vocab_size))
+    params = {**params, "lm_head": {"kernel": (kernel / c.hidden_size**0.5).astype(dtype)},
+              DRAFT_VOCAB: {"target_ids": jnp.arange(c.draft_vocab_size, dtype=jnp.int32)}}
+  return params
+
+
+def head_dtype(head_params) -> Dtype:
+  """The dtype of the head's weights (its draft vocabulary's ids are int32)."""
+  return jax.tree.leaves(head_params["fc"])[0].dtype
+
+
+def split_frozen(head_params) -> tuple[dict, dict]:
+  """(trainable, frozen) halves of the head's params; frozen is empty without a draft vocab."""
+  trainable = {k: v for k, v in head_params.items() if k not in FROZEN}
+  return trainable, {k: v for k, v in head_params.items() if k in FROZEN}
+
+
+def with_draft_vocab(head_params, target_params, target_config: Qwen3Config, target_ids_k):
+  """The head's params with the draft vocabulary `target_ids_k` (`[K]` target ids) and the
+  target's LM-head rows for it, in the head params' dtype."""
+  dtype = head_dtype(head_params)
+  ids_k = jnp.asarray(target_ids_k, jnp.int32)
+  kernel_dk = lm_head_columns(target_params, target_config, ids_k).astype(dtype)
+  return {**head_params, "lm_head": {"kernel": kernel_dk}, DRAFT_VOCAB: {"target_ids": ids_k}}
+
+
+def lm_head_columns(target_params, target_config: Qwen3Config, ids_k):
+  """`[D, K]`: the target's LM head for the tokens `ids_k` only."""
+  if target_config.tie_word_embeddings:
+    return jnp.take(target_params["embed_tokens"]["embedding"], ids_k, axis=0).T
+  return jnp.take(target_params["lm_head"]["kernel"], ids_k, axis=1)
+
+
+def vocab_logits(hidden_bd, kernel, layout: KernelLayout = "in_out"):
+  """float32 logits of final-normed hidden states through an LM head in its dtype, stored
+  `[D, K]` (in_out) or `[K, D]` (out_in)."""
+  spec = "...d,dk->...k" if layout == "in_out" else "...d,kd->...k"
+  return jnp.einsum(spec, hidden_bd.astype(kernel.dtype), kernel,
+                    preferred_element_type=jnp.float32)
+
+
+def head_logits(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
+                hidden_bd):
+  """float32 logits `[..., output_vocab_size]`: the head's draft-vocabulary LM head if it has
+  one, else the target's."""
+  if config.draft_vocab_size:
+    return vocab_logits(hidden_bd, head_params["lm_head"]["kernel"], kernel_layout(head_params))
+  return lm_logits(target_params, target_config, hidden_bd)
+
+
+def to_target_ids(head_params, config: HeadConfig, ids):
+  """Target token ids of the head's output ids (themselves without a draft vocabulary)."""
+  if not config.draft_vocab_size:
+    return ids
+  return jnp.take(head_params[DRAFT_VOCAB]["target_ids"], ids, axis=0)
+
+
+def _module_params(head_params):
+  """The params `DraftHead` itself reads (the draft vocabulary is read by `head_logits`)."""
+  return split_frozen(head_params)[0]
 
 
 def init_head_cache(config: HeadConfig, batch: int, size: int, dtype: Dtype) -> KVCache:
@@ -121,7 +189,8 @@ def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, s
   """
   positions_bt = start_b[:, None] + jnp.arange(taps_btld.shape[1], dtype=jnp.int32)[None, :]
   kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
-      {"params": head_params}, taps_btld.astype(dtype), positions_bt, method=DraftHead.context_kv)
+      {"params": _module_params(head_params)}, taps_btld.astype(dtype), positions_bt,
+      method=DraftHead.context_kv)
   return KVCache(k=tuple(write_rows(buf, k, start_b) for buf, (k, _) in zip(cache.k, kvs)),
                  v=tuple(write_rows(buf, v, start_b) for buf, (_, v) in zip(cache.v, kvs)))
 
@@ -137,7 +206,8 @@ def context_cache(head_params, config: HeadConfig, taps_btld, size: int,
   positions_bt = jnp.broadcast_to(jnp.arange(taps_btld.shape[1], dtype=jnp.int32),
                                   taps_btld.shape[:2])
   kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
-      {"params": head_params}, taps_btld.astype(dtype), positions_bt, method=DraftHead.context_kv)
+      {"params": _module_params(head_params)}, taps_btld.astype(dtype), positions_bt,
+      method=DraftHead.context_kv)
   return KVCache.from_rows(KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs)), size)
 
 
@@ -150,7 +220,8 @@ def _block_tokens(config: HeadConfig, anchors_ba):
 def draft_block(head_params, config: HeadConfig, target_params, target_config: Qwen3Config,
                 cache: KVCache, context_len_b, anchor_b, dtype: Dtype = jnp.float32,
                 impl: AttentionImpl = "xla"):
-  """Per-depth draft logits `[B, depth, V]` for one block after `context_len_b` cached rows.
+  """Per-depth draft logits `[B, depth, V]` for one block after `context_len_b` cached rows
+  (V: `config.output_vocab_size`, draft ids when the head has a draft vocabulary).
 
   The cache is only read: the block attends to its context slots and to itself
   (causally or not), and its own keys never enter the cache.
@@ -174,15 +245,16 @@ def draft_block(head_params, config: HeadConfig, target_params, target_config: Q
   positions_bt = context_len_b[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
   block_mask_btt = jnp.broadcast_to(in_block_mask(block, config.causal), (batch, block, block))
   hidden_btd = DraftHead(config, dtype, impl, kernel_layout(head_params)).apply(
-      {"params": head_params}, x_btd.astype(dtype), positions_bt, cache, context_len_b, None,
-      block_mask_btt)
-  return lm_logits(target_params, target_config, hidden_btd[:, 1:])
+      {"params": _module_params(head_params)}, x_btd.astype(dtype), positions_bt, cache,
+      context_len_b, None, block_mask_btt)
+  return head_logits(head_params, config, target_params, target_config, hidden_btd[:, 1:])
 
 
 @functools.partial(jax.jit, static_argnames=("head_config", "target_config"))
 def draft_logits(head_params, head_config: HeadConfig, target_params,
                  target_config: Qwen3Config, token_ids):
-  """Per-depth draft logits `[batch, block_size - 1, vocab]`. Jitted.
+  """Per-depth draft logits `[batch, block_size - 1, vocab]` (over the head's draft vocabulary,
+  if it has one: `to_target_ids` maps its ids). Jitted.
 
   The last token of `token_ids` is the anchor; the target's taps of the n - 1 earlier tokens
   are the context, at positions 0..n-2, and the block sits at positions n-1 .. n-2+block.
@@ -207,7 +279,7 @@ def draft_logits(head_params, head_config: HeadConfig, target_params,
   batch, n = token_ids.shape
   if n < 2:
     raise InputError(f"draft_logits needs at least 2 tokens per row (context + anchor); got {n}")
-  dtype = jax.tree.leaves(head_params)[0].dtype
+  dtype = head_dtype(head_params)
   _, _, taps = forward(target_params, target_config, token_ids[:, :-1],
                        tap_layers=head_config.target_layer_ids)
   cache = init_head_cache(head_config, batch, n - 1, dtype)
@@ -271,7 +343,8 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
   positions_bt = ((anchors_ba - context_start_ba)[:, :, None]
                   + jnp.arange(block, dtype=jnp.int32)).reshape(batch, -1)
   head = DraftHead(config, dtype)
-  features_btd = rows(head.apply({"params": head_params}, taps_btld.astype(dtype),
+  module_params = _module_params(head_params)
+  features_btd = rows(head.apply({"params": module_params}, taps_btld.astype(dtype),
                                  method=DraftHead.context_features))
 
   for i in range(config.num_layers):
@@ -284,7 +357,7 @@ def training_hidden(head_params, config: HeadConfig, target_params, target_confi
     # `DraftHead.setup` keeps its layers in a list, which Flax names layers_0, layers_1, ...
     x_btd = rows(run(head_params[f"layers_{i}"], x_btd, positions_bt, features_btd,
                      context_positions_bt, anchors_ba, context_start_ba))
-  hidden_btd = head.apply({"params": head_params}, x_btd, method=lambda h, x: h.norm(x))
+  hidden_btd = head.apply({"params": module_params}, x_btd, method=lambda h, x: h.norm(x))
   return hidden_btd.reshape(batch, num_anchors, block, -1)[:, :, 1:]
 
 
@@ -293,4 +366,4 @@ def training_logits(head_params, config: HeadConfig, target_params, target_confi
   """Draft logits `[B, A, depth, V]`: `training_hidden` (and its options) through the LM head."""
   hidden_bakd = training_hidden(head_params, config, target_params, target_config, taps_btld,
                                 tokens_bt, anchors_ba, dtype, **options)
-  return lm_logits(target_params, target_config, hidden_bakd)
+  return head_logits(head_params, config, target_params, target_config, hidden_bakd)

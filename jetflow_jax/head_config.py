@@ -1,8 +1,10 @@
-"""Draft-head config: its own layers, the target taps it reads, block size, mask id, mask flag.
+"""Draft-head config: its own layers, the target taps it reads, block size, mask id, mask flag,
+and the draft vocabulary it predicts over.
 
 The HF-style dict form is the reference layout (`config.json` of
 `JetSpec/jetspec-qwen3-8b` or `z-lab/Qwen3-8B-DFlash-b16`): Qwen3 fields plus
-`block_size`, `num_target_layers` and `dflash_config`.
+`block_size`, `num_target_layers` and `dflash_config` (and, for a head with a draft
+vocabulary, which the reference does not have, `draft_vocab_size`).
 """
 
 from __future__ import annotations
@@ -56,13 +58,16 @@ class HeadConfig:
   num_key_value_heads: int
   head_dim: int
   target_layer_ids: tuple[int, ...]
-  num_target_layers: int
+  num_target_layers: int  # 0 when unknown (see `speculators_format.from_speculators_dict`)
   vocab_size: int
   block_size: int = 16
   mask_token_id: int = QWEN3_MASK_TOKEN_ID
   causal: bool = True  # JetFlow; False is the bidirectional DFlash baseline
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1e6
+  # K > 0: the head predicts over K of the target's tokens (its own LM head [D, K] and the
+  # target id of each, in its params); 0: over the target's whole vocabulary, with its LM head.
+  draft_vocab_size: int = 0
 
   @property
   def depth(self) -> int:
@@ -73,6 +78,11 @@ class HeadConfig:
   def num_taps(self) -> int:
     """How many target layers it reads."""
     return len(self.target_layer_ids)
+
+  @property
+  def output_vocab_size(self) -> int:
+    """Tokens the head's log-probs cover: the draft vocabulary's, or the target's."""
+    return self.draft_vocab_size or self.vocab_size
 
   def layer_config(self) -> Qwen3Config:
     """A dense Qwen3 config describing the head's decoder layers."""
@@ -128,7 +138,8 @@ class HeadConfig:
                       f"{target.hidden_size} (the head uses the target's embedding and LM head)")
     if self.vocab_size != target.vocab_size:
       problems.append(f"head vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
-    if self.num_target_layers != target.num_hidden_layers:
+    # 0: unknown (a speculators head whose verifier's config was not at hand)
+    if self.num_target_layers not in (0, target.num_hidden_layers):
       problems.append(f"head was built for a {self.num_target_layers}-layer target; this target "
                       f"has {target.num_hidden_layers} layers")
     # A tap on the last layer is ambiguous (HF's last hidden state is final-normed): refuse it.
@@ -144,6 +155,9 @@ class HeadConfig:
       problems.append(f"mask_token_id {self.mask_token_id} out of range [0, {target.vocab_size})")
     if self.block_size < 2:
       problems.append(f"block_size {self.block_size} must be >= 2")
+    if not 0 <= self.draft_vocab_size < target.vocab_size:
+      problems.append(f"draft_vocab_size {self.draft_vocab_size} must be 0 (the target's whole "
+                      f"vocabulary) or below the target's {target.vocab_size}")
     if self.num_layers < 1:
       problems.append(f"num_layers {self.num_layers} must be >= 1")
     if self.num_attention_heads % self.num_key_value_heads:
@@ -154,6 +168,7 @@ class HeadConfig:
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The reference's `config.json` layout."""
+    extra = {"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -174,6 +189,7 @@ class HeadConfig:
         "num_target_layers": self.num_target_layers,
         "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
                           "mask_token_id": self.mask_token_id, "causal_head": self.causal},
+        **extra,
     }
 
   @classmethod
@@ -199,4 +215,4 @@ class HeadConfig:
         vocab_size=layers.vocab_size, block_size=raw["block_size"],
         mask_token_id=dflash.get("mask_token_id", QWEN3_MASK_TOKEN_ID),
         causal=bool(dflash.get("causal_head", False)), rms_norm_eps=layers.rms_norm_eps,
-        rope_theta=layers.rope_theta)
+        rope_theta=layers.rope_theta, draft_vocab_size=int(raw.get("draft_vocab_size") or 0))

@@ -261,8 +261,11 @@ def _load_sharded(files: SafetensorsDir, tensors: list[Tensor], abstract_params,
 
 
 def save_tensors(params, tensors: Iterable[Tensor], path: str,
-                 metadata: dict[str, str] | None = None) -> None:
-  """Writes `params` as one HF-layout safetensors file, keeping their dtype."""
+                 metadata: dict[str, str] | None = None,
+                 extra: dict[str, np.ndarray] | None = None) -> None:
+  """Writes `params` as one HF-layout safetensors file, keeping their dtype; `extra` adds
+  arrays stored as they are (integer and boolean buffers)."""
   arrays = {t.hf_key: jnp.asarray(t.to_hf(_leaf(params, t.path))) for t in tensors}
+  arrays.update(extra or {})
   # transformers only reads safetensors files whose metadata says "pt".
   safetensors.flax.save_file(arrays, path, metadata={"format": "pt", **(metadata or {})})

@@ -49,6 +49,8 @@ _PARAM_AXES: dict[tuple[str, str], Axes] = {
     # The MoE router: every shard routes all of its rows, so the experts' logits stay whole.
     ("gate", "kernel"): ("embed", None),
     ("fc", "kernel"): ("taps", "embed"),  # the head's projection of the target's taps
+    # A draft vocabulary's target ids: every shard maps any drafted id, so kept whole.
+    ("draft_vocab", "target_ids"): (None,),
 }
 
 

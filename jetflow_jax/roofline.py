@@ -267,12 +267,14 @@ def target_param_counts(config: Qwen3Config) -> dict[str, int]:
 
 
 def head_param_counts(head: HeadConfig) -> dict[str, int]:
-  """The draft head's own parameters by group (it borrows the target's embedding and LM head)."""
+  """The draft head's own parameters by group (it borrows the target's embedding, and its LM
+  head unless it has a draft vocabulary: then its own K rows, and their K target ids)."""
   c = head.layer_config()
   return dict(
       fc=head.num_taps * head.hidden_size * head.hidden_size,
       layers=head.num_layers * (_attention_params(c) + 3 * c.hidden_size * c.intermediate_size),
-      norms=head.num_layers * _layer_norm_params(c) + 2 * head.hidden_size)  # + hidden, final
+      norms=head.num_layers * _layer_norm_params(c) + 2 * head.hidden_size,  # + hidden, final
+      draft_vocab=head.draft_vocab_size * (head.hidden_size + 1))
 
 
 def _kv_row_bytes(c, layers: int, itemsize: int) -> int:
@@ -335,10 +337,11 @@ def head_forward(config: Qwen3Config, head: HeadConfig, dtype: Any, batch: int,
                  committed: int) -> Cost:
   """`HeadDrafter.draft`: the block `[anchor, MASK...]` (embedded by the target's table) through
   the head's layers, reading its own context K/V of S - 1 rows (nothing written), then the
-  target's LM head over the `depth` drafted rows."""
+  target's LM head over the `depth` drafted rows (with a draft vocabulary, the head's own
+  `[D, K]` one: K columns read and multiplied instead of V)."""
   size, block, rows = _itemsize(dtype), head.block_size, batch * head.block_size
   counts, layer = head_param_counts(head), head.layer_config()
-  lm_head = config.vocab_size * config.hidden_size
+  lm_head = (head.draft_vocab_size or config.vocab_size) * config.hidden_size
   gathered = 0 if config.tie_word_embeddings else rows * head.hidden_size
   weights = counts["layers"] + head.num_layers * _layer_norm_params(layer) + head.hidden_size
   cached = committed - 1

@@ -77,9 +77,11 @@ def test_param_counts_match_the_init_shapes(config):
   assert counts["embedding"] == params["embed_tokens"]["embedding"].size
   if config.is_moe:
     assert counts["experts"] == tree_size(params["layers_1"]["mlp"]["experts"]) * 2
-  head = HeadConfig.for_target(config, num_layers=2, target_layer_ids=(1,), mask_token_id=511)
-  head_params = jax.eval_shape(lambda: init_head_params(head, jax.random.key(0)))
-  assert sum(roofline.head_param_counts(head).values()) == tree_size(head_params)
+  for draft_vocab in (0, 100):  # a draft vocabulary: its LM head's rows and their target ids
+    head = HeadConfig.for_target(config, num_layers=2, target_layer_ids=(1,), mask_token_id=511,
+                                 draft_vocab_size=draft_vocab)
+    head_params = jax.eval_shape(lambda: init_head_params(head, jax.random.key(0)))
+    assert sum(roofline.head_param_counts(head).values()) == tree_size(head_params)
 
 
 @pytest.mark.parametrize("config", [DENSE, TIED], ids=["untied", "tied"])
@@ -203,6 +205,10 @@ def test_qwen3_8b_floors_on_h200():
   assert roofline.bound(wide, h200) == "compute" and roofline.bound(ar, h200) == "memory"
   draft = roofline.head_forward(config, head, jnp.bfloat16, 1, 4096)
   assert np.isclose(draft.bytes, 3.26e9, rtol=1e-2) and roofline.bound(draft, h200) == "memory"
+  # A 32,000-token draft vocabulary reads that many LM-head columns instead of 151,936.
+  small = roofline.head_forward(config, dataclasses.replace(head, draft_vocab_size=32000),
+                                jnp.bfloat16, 1, 4096)
+  assert draft.weight_bytes - small.weight_bytes == (151936 - 32000) * 4096 * 2
   # The round's floor adds the memory-bound head to the compute-bound verify.
   whole = roofline.round_cost(config, head, jnp.bfloat16, 1, 4096, 256)
   assert roofline.floor_seconds(whole, h200) > roofline.floor_seconds(draft, h200) + (

@@ -14,7 +14,8 @@ from jetflow_jax.decoding import RoundSpec, TreeShape, decode_prompts, generate
 from jetflow_jax.decoding.loop import batch_rows, compile_decode
 from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.errors import ConfigError, InputError
-from jetflow_jax.head import append_context, draft_logits, init_head_cache, init_head_params
+from jetflow_jax.head import (append_context, draft_logits, init_head_cache, init_head_params,
+                              with_draft_vocab)
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import KVCache, forward, with_kernel_layout
 from jetflow_jax.sampling import Greedy, Sampling
@@ -125,6 +126,34 @@ def test_greedy_equals_ar(target, trained_head, method, budget, head_kind):
   assert all(len(r) >= 1 and min(r) >= 1 for r in result.committed_per_round)
   if head_kind == "trained" and method != "dflash":
     assert result.tau > 1.2  # a head trained for a minute already gets several tokens a round
+
+
+def test_draft_vocabulary_drafts_its_tokens_and_stays_lossless(target, trained_head):
+  """The trained head over 40 of the 96 tokens (its LM head's columns for them): its draft
+  logits are the full head's at those tokens, the trees hold only them, and greedy decoding
+  still equals AR while drafts get accepted."""
+  config, params = target
+  head, head_params = trained_head
+  reference = ar_greedy(config, params, PROMPTS, 24)
+  counts = np.bincount(np.concatenate(reference), minlength=VOCAB)
+  ids = np.sort(np.argsort(-counts, kind="stable")[:40])
+  small = dataclasses.replace(head, draft_vocab_size=40)
+  small_params = with_draft_vocab(head_params, params, config, ids)
+  tokens = np.array([PROMPTS[1]])
+  np.testing.assert_allclose(draft_logits(small_params, small, params, config, tokens),
+                             draft_logits(head_params, head, params, config, tokens)[..., ids],
+                             atol=1e-5, rtol=0)
+  small_out_in = with_kernel_layout(jax.tree.map(jnp.copy, small_params), "out_in")
+  assert small_out_in["lm_head"]["kernel"].shape == (40, head.hidden_size)
+  np.testing.assert_allclose(draft_logits(small_out_in, small, params, config, tokens),
+                             draft_logits(small_params, small, params, config, tokens), atol=1e-5)
+  for method in ("jetflow", "dflash"):  # the tree and the chain (the head is causal: an ablation)
+    result = jetflow_jax.speculative_generate(
+        params, config, small_params, small, PROMPTS, 24, method=method, budget=23, top_k=3,
+        stop_tokens=(), warn=lambda _: None)
+    assert result.tokens == reference, method
+    if method == "jetflow":
+      assert result.tau > 1.2  # unmapped draft ids (0..39) would all be rejected
 
 
 def test_cheating_drafter_reaches_full_depth_and_matches_ar(target):
@@ -255,7 +284,7 @@ def assert_matches(samples_b3: np.ndarray, exact: np.ndarray):
 
 
 @pytest.mark.parametrize("sampler,drafter_kind", [
-    (Sampling(1.0), "head"), (Sampling(0.7, top_k=5, top_p=0.9), "head"),
+    (Sampling(1.0), "head"), (Sampling(0.7, top_k=5, top_p=0.9), "draft_vocab"),
     (Sampling(1.3, top_p=0.8), "bad")])
 def test_sampling_matches_the_target_distribution(small_target, sampler, drafter_kind):
   config, params, model = small_target
@@ -263,6 +292,11 @@ def test_sampling_matches_the_target_distribution(small_target, sampler, drafter
   if drafter_kind == "head":
     head = head_config(config, block_size=4)
     drafter, drafter_params = HeadDrafter(head), init_head_params(head, jax.random.key(5))
+  elif drafter_kind == "draft_vocab":  # drafts over 5 of the 8 tokens, in a shuffled order
+    head = dataclasses.replace(head_config(config, block_size=4), draft_vocab_size=5)
+    drafter_params = with_draft_vocab(init_head_params(head, jax.random.key(5)), params, config,
+                                      [6, 1, 3, 7, 2])
+    drafter = HeadDrafter(head)
   else:  # confidently wrong: always drafts the target's least likely first token, etc.
     drafter = FixedDrafter(depth=3)
     drafter_params = jax.nn.log_softmax(

@@ -14,13 +14,16 @@ import jax
 import numpy as np
 import pytest
 
+import jetflow_jax
 from conftest import CLI_ENV, ROOT, run_cli
 from jetflow_jax.config_files import head_config, load_config_file, target_config
 from jetflow_jax.errors import ConfigError
-from jetflow_jax.head import init_head_params
+from jetflow_jax.decoding import generate
+from jetflow_jax.head import init_head_params, lm_head_columns
 from jetflow_jax.head_checkpoint import load_head, save_hf_head
 from jetflow_jax.train import setup
-from jetflow_jax.train.store import ShardWriter
+from jetflow_jax.train.draft_vocab import most_frequent, response_token_counts
+from jetflow_jax.train.store import ShardWriter, TokenStore
 
 # A small-vocabulary random target and pre-tokenized prompts: fast enough to run three times.
 FAST = ["--config.target.random.vocab_size=128", "--config.target.random.num_hidden_layers=4",
@@ -45,17 +48,33 @@ def prompt_ids_file(tmp_path):
 
 
 def test_tiny_config_runs_end_to_end(tmp_path):
+  """With a draft vocabulary of 2,048 tokens: the K most frequent response tokens of the store,
+  the target's LM-head rows for them, kept through training; the head decodes losslessly."""
   workdir = tmp_path / "tiny"
-  done = run_cli(*train_args(workdir, "--config.train.num_steps=6"))
+  done = run_cli(*train_args(workdir, "--config.train.num_steps=6",
+                             "--config.head.draft_vocab_size=2048"))
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "done: step 6" in done.stdout
+  assert "done: step 6" in done.stdout and "draft vocabulary: the 2048 of 151936" in done.stdout
   lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
   assert lines[-1]["step"] == 6 and len(lines[-1]["agreement_k"]) == 7
   config, params = load_head(str(workdir))
   exported_config, exported = load_head(str(workdir / "hf_head"))
   assert exported_config == config and config.causal and config.block_size == 8
+  assert config.draft_vocab_size == 2048
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), exported,
                params)  # the export is bfloat16
+
+  store = TokenStore(str(workdir / "store"))
+  ids = most_frequent(response_token_counts(store, 151936), 2048)
+  np.testing.assert_array_equal(params["draft_vocab"]["target_ids"], ids)
+  target_config, target_params = setup.load_target(load_config_file("configs/tiny.py"))
+  np.testing.assert_array_equal(params["lm_head"]["kernel"],
+                                lm_head_columns(target_params, target_config, ids))
+  prompts = [store.tokens(r)[:store.prompt_lengths[r]].tolist() for r in range(2)]
+  result = jetflow_jax.speculative_generate(target_params, target_config, params, config,
+                                            prompts, 16, budget=8, top_k=3, stop_tokens=())
+  assert result.tokens == generate(target_params, target_config, prompts, 16,
+                                   stop_tokens=()).tokens
 
 
 def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):

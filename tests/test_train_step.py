@@ -1,6 +1,7 @@
 """Losses against float64 NumPy, anchor sampling, chunked loss, learning on a tiny target,
 sharding."""
 
+import dataclasses
 import functools
 import math
 
@@ -13,7 +14,7 @@ import pytest
 
 import jetflow_jax
 from jetflow_jax.decoding import generate
-from jetflow_jax.head import init_head_params
+from jetflow_jax.head import init_head_params, split_frozen, training_logits, with_draft_vocab
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.masks import segment_starts
 from jetflow_jax.train.losses import depth_weights, kl_divergence, per_depth_loss
@@ -144,6 +145,44 @@ def test_train_step_gradient_is_the_loss_fn_gradient(tiny_setup):
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
   jax.tree.map(lambda g, old, new: np.testing.assert_allclose(old - new, g, atol=1e-6), grads,
                head_params, new_state.head_params)
+
+
+def test_draft_vocabulary_loss_is_the_kl_renormalised_over_its_tokens(tiny_setup):
+  """With 24 of the 96 tokens: the loss is the forward KL between the target's and the head's
+  full-vocabulary distributions each renormalised over those tokens (float64 NumPy over the
+  full logits), and a step leaves the draft vocabulary's LM head and ids as they were."""
+  config, params, tokens, loss_mask = tiny_setup
+  full = head_for(config)
+  head = dataclasses.replace(full, draft_vocab_size=24)
+  ids = np.sort(np.random.default_rng(3).choice(VOCAB, 24, replace=False))
+  head_params = with_draft_vocab(init_head_params(full, jax.random.key(0)), params, config, ids)
+  loss_fn = make_loss_fn(head, config, LossConfig(num_anchors=8, chunk_anchors=3))
+  batch, rng = (tokens[:4], loss_mask[:4]), jax.random.fold_in(jax.random.key(5), 0)
+  target, anchors, valid = jax.jit(loss_fn.prepare)(params, *batch, rng)
+
+  logits_fn = jax.jit(training_logits, static_argnums=(1, 3))
+  draft = np.asarray(logits_fn(split_frozen(head_params)[0], full, params, config,
+                               target.taps_btld, batch[0], anchors))[..., ids]
+  lm_head = (params["embed_tokens"]["embedding"].T if config.tie_word_embeddings
+             else params["lm_head"]["kernel"])
+  teacher = np.asarray(target.hidden_btd, np.float64) @ np.asarray(lm_head, np.float64)[:, ids]
+  predicted = np.asarray(anchors)[:, :, None] + np.arange(1, full.block_size)
+  rows = np.arange(4)[:, None, None]
+  keep = (np.asarray(valid)[:, :, None] & (predicted < tokens.shape[1])
+          & batch[1][rows, np.minimum(predicted, tokens.shape[1] - 1)])
+  log_p = np_log_softmax(teacher[rows, np.minimum(predicted, tokens.shape[1] - 1) - 1])
+  kl = (np.exp(log_p) * (log_p - np_log_softmax(draft))).sum(-1)
+  assert keep.sum() > 20
+
+  optimizer = optax.sgd(1.0)
+  state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
+                     opt_state=optimizer.init(split_frozen(head_params)[0]))
+  step = make_train_step(loss_fn, optimizer, lambda _: 1.0, seed=5)
+  new_state, metrics = jax.jit(step)(state, params, *batch)
+  np.testing.assert_allclose(metrics["loss"], kl[keep].mean(), rtol=1e-5)
+  moved, frozen = split_frozen(new_state.head_params)
+  jax.tree.map(np.testing.assert_array_equal, frozen, split_frozen(head_params)[1])
+  assert np.abs(moved["fc"]["kernel"] - head_params["fc"]["kernel"]).max() > 1e-4
 
 
 def test_training_lowers_kl_and_learns_depth_one(tiny_setup):

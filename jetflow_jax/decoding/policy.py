@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
-
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.round import TreeShape
 from jetflow_jax.drafters import Drafter, HeadDrafter, NoDrafter
 from jetflow_jax.errors import InputError
+from jetflow_jax.head import head_dtype
 from jetflow_jax.head_config import HeadConfig
 
 #: The decoding methods: plain decoding, the DFlash chain, DDTree and JetFlow.
@@ -85,4 +84,4 @@ def drafter_for(method: str, target_config: Qwen3Config, head_params,
   if head_config.causal != (head_kind(method) == "jetflow"):
     kind = "causal (JetFlow)" if head_config.causal else "bidirectional (DFlash)"
     warn(f"warning: method {method} with a {kind} head: running it as an ablation")
-  return HeadDrafter(head_config, jax.tree.leaves(head_params)[0].dtype, attention)
+  return HeadDrafter(head_config, head_dtype(head_params), attention)

@@ -28,7 +28,7 @@ from jetflow_jax.accept import accept
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.decoding.budget import draft_expected_tau
 from jetflow_jax.decoding.state import DecodeState, is_stop, scores, stop_code
-from jetflow_jax.drafters import Drafter
+from jetflow_jax.drafters import Drafter, draft_vocab_size, target_ids
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.model import KVCache, forward, lm_logits, write_rows
 from jetflow_jax.tree import (DraftTree, build_tree, build_tree_accum, chain_tree, root_tree,
@@ -70,7 +70,8 @@ class TreeShape:
       InputError: the budget or top-k does not fit.
     """
     if self.kind in ("top_n", "accum"):
-      validate_tree_args(drafter.depth, config.vocab_size, self.budget, self.top_k)
+      validate_tree_args(drafter.depth, draft_vocab_size(drafter, config), self.budget,
+                         self.top_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +148,9 @@ def draft_and_verify(target_params, drafter_params, state: DecodeState,
     with jax.named_scope("predict"):
       predicted_bl = draft_expected_tau(logprobs_bdv, spec.ladder, shape.top_k, shape.kind)
   with jax.named_scope("build_tree"):
-    tree = shape(logprobs_bdv)
-    tree = tree.replace(tokens=tree.tokens.at[:, 0].set(anchor_b))
+    tree = shape(logprobs_bdv)  # over the drafter's vocabulary; the target sees its own ids
+    tokens_bn = target_ids(spec.drafter, drafter_params, tree.tokens)
+    tree = tree.replace(tokens=tokens_bn.at[:, 0].set(anchor_b))
   with jax.named_scope("verify"):
     # A root-only round through XLA writes the anchor's K/V straight into the cache (its one
     # node is always committed): on CPU the tree path's read-only cache, separate new rows and

@@ -32,6 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.head.causal = True  # False trains the bidirectional DFlash baseline
   c.head.hidden_size = 0  # 0: the target's (must equal it; set only to have it checked)
   c.head.intermediate_size = 0  # 0: the target's
+  # K > 0: predict over the K target tokens the training responses use most (the LM head's rows
+  # for them, frozen; forward KL against the target renormalised over them); 0: all of them
+  c.head.draft_vocab_size = 0
   c.head.dtype = "bfloat16"  # compute dtype; params stay float32
 
   c.data = ml_collections.ConfigDict()

@@ -22,7 +22,7 @@ import tqdm
 
 from jetflow_jax import cli, distributed, partitioning
 from jetflow_jax.errors import ConfigError, InputError, JetflowError
-from jetflow_jax.head import RematPolicy
+from jetflow_jax.head import RematPolicy, split_frozen
 from jetflow_jax.head_checkpoint import HEAD_CONFIG_FILE, save_hf_head, workdir_head_config
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
@@ -172,8 +172,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   setup.say(f"loading the target ({config.target.checkpoint or 'random, target.random'})")
   _, target_params = setup.load_target(config, lambda _, tree: param_sharding(mesh, tree))
+  if head.draft_vocab_size and not t.init_head:
+    head_params = setup.store_draft_vocab(head_params, head, store, target, target_params)
   state = TrainState(step=jnp.zeros((), jnp.int32), head_params=head_params,
-                     opt_state=optimizer.init(head_params))
+                     opt_state=optimizer.init(split_frozen(head_params)[0]))
   # Every leaf placed on the mesh up front (scalars replicated), so the step compiles once.
   state = jax.device_put(state, param_sharding(mesh, state))
   keep = lambda tree: partitioning.abstract(tree, partitioning.KEEP)

@@ -21,6 +21,7 @@ from jetflow_jax import cli, memory_analysis, partitioning
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.config_files import head_config, target_shape
 from jetflow_jax.errors import ConfigError, InputError
+from jetflow_jax.head import split_frozen
 from jetflow_jax.head_checkpoint import abstract_head_params
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.memory_analysis import per_device_bytes, read_buffers, use_host_devices
@@ -54,7 +55,7 @@ def abstract_arguments(config: ml_collections.ConfigDict, mesh, target: Qwen3Con
   place = lambda tree: partitioning.abstract(tree, param_sharding(mesh, tree))
   head_params = abstract_head_params(head)
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), head_params=head_params,
-                     opt_state=jax.eval_shape(optimizer.init, head_params))
+                     opt_state=jax.eval_shape(optimizer.init, split_frozen(head_params)[0]))
   target_params = abstract_params(target, cli.parse_dtype(config.target.dtype))
   shape_bt = (config.train.batch_size, config.data.seq_len)
   rows = batch_sharding(mesh)

@@ -15,11 +15,12 @@ from jetflow_jax.checkpoint import is_converted, load_qwen3
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.config_files import head_config, target_config
 from jetflow_jax.errors import ConfigError, InputError
-from jetflow_jax.head import init_head_params
+from jetflow_jax.head import init_head_params, with_draft_vocab
 from jetflow_jax.head_checkpoint import abstract_head_params, load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
 from jetflow_jax.train.data import read_jsonl
+from jetflow_jax.train.draft_vocab import most_frequent, response_token_counts
 from jetflow_jax.train.regenerate import (BACKENDS, make_generator, regenerate,
                                           tokenizer_if_needed)
 from jetflow_jax.train.store import (TokenStore, convert_jsonl, converted_from, is_store,
@@ -79,6 +80,20 @@ def initial_head_params(config: ml_collections.ConfigDict, head: HeadConfig) -> 
   return params
 
 
+def store_draft_vocab(head_params, head: HeadConfig, store: TokenStore, target: Qwen3Config,
+                      target_params) -> dict:
+  """The head's params over the `head.draft_vocab_size` tokens the store's responses use most,
+  with the target's LM-head rows for them (`train/draft_vocab.py`)."""
+  counts = response_token_counts(store, target.vocab_size)
+  ids = most_frequent(counts, head.draft_vocab_size)
+  covered = counts[ids].sum() / max(counts.sum(), 1)
+  say(f"draft vocabulary: the {len(ids)} of {target.vocab_size} target tokens the store's "
+      f"responses use most ({100 * covered:.2f}% of their {counts.sum()} tokens)")
+  # Jitted: the target's LM head may be split over this job's processes.
+  add = jax.jit(with_draft_vocab, static_argnums=2)
+  return add(head_params, target_params, target, ids)
+
+
 def validate(config: ml_collections.ConfigDict) -> str:
   """Checks config, target config.json and (if present) weight shapes without loading weights."""
   target = target_config(config)
@@ -100,6 +115,7 @@ def validate(config: ml_collections.ConfigDict) -> str:
           f"head: {head.num_layers} layers, taps {list(head.target_layer_ids)}, block "
           f"{head.block_size}, mask id {head.mask_token_id}, "
           f"{'causal (JetFlow)' if head.causal else 'bidirectional (DFlash)'}, "
+          f"{f'draft vocabulary {head.draft_vocab_size}, ' if head.draft_vocab_size else ''}"
           f"{count(abstract_head_params(head)) / 1e9:.3f}B params")
 
 

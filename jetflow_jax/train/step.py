@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.head import training_hidden
+from jetflow_jax.head import (DRAFT_VOCAB, lm_head_columns, split_frozen, training_hidden,
+                              vocab_logits)
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.masks import packed_causal_mask, segment_starts
 from jetflow_jax.model import forward_by_layer, lm_logits
@@ -179,13 +180,18 @@ class DistillLoss:
                                  attention_chunk=self.config.attention_chunk_anchors,
                                  remat=self.config.remat,
                                  rows=self.layout.rows)
+    logits = self._logits_fns(head_params, target_params)
+    if self.head_config.draft_vocab_size and self.config.kind == "cross_entropy":
+      # Hard labels outside the draft vocabulary cannot be predicted: those positions drop out.
+      labels_bak = self._draft_ids(head_params)[labels_bak]
+      valid_bak = valid_bak & (labels_bak >= 0)
+      labels_bak = jnp.maximum(labels_bak, 0)
 
     def chunk_sums(draft_bckd, teacher_bckd, labels_bck, valid_bck):
       # Vocabulary-wide logits exist one chunk of anchors at a time, split as the layout says.
-      def logits(hidden_bckd):
-        logits_bckv = lm_logits(target_params, self.target_config, self.layout.rows(hidden_bckd))
-        return self.layout(logits_bckv, ("batch", None, None, "vocab"))
-      return depth_sums(self.config.kind, logits(draft_bckd), logits(teacher_bckd), labels_bck,
+      pin = lambda l: self.layout(l, ("batch", None, None, "vocab"))
+      return depth_sums(self.config.kind, pin(logits["draft"](self.layout.rows(draft_bckd))),
+                        pin(logits["teacher"](self.layout.rows(teacher_bckd))), labels_bck,
                         valid_bck, self.config.temperature)
 
     sums = _sum_over_chunks(chunk_sums, self.config.chunk_anchors, draft_bakd, teacher_bakd,
@@ -200,6 +206,25 @@ class DistillLoss:
         "num_predictions": valid_bak.sum(),
     }
     return value, aux
+
+  def _logits_fns(self, head_params, target_params) -> dict[str, Callable]:
+    """Draft and teacher logits of final-normed hidden states: over the target's vocabulary,
+    or (draft vocabulary) the head's LM head and the target's rows for the same tokens, so
+    the teacher is the target's distribution renormalised over them."""
+    if not self.head_config.draft_vocab_size:
+      full = lambda hidden: lm_logits(target_params, self.target_config, hidden)
+      return {"draft": full, "teacher": full}
+    kernel_dk = head_params["lm_head"]["kernel"].astype(self.config.head_dtype)
+    teacher_dk = lm_head_columns(target_params, self.target_config,
+                                 head_params[DRAFT_VOCAB]["target_ids"])
+    return {"draft": lambda hidden: vocab_logits(hidden, kernel_dk),
+            "teacher": lambda hidden: vocab_logits(hidden, teacher_dk)}
+
+  def _draft_ids(self, head_params):
+    """`[V]`: each target token's draft id, -1 outside the draft vocabulary."""
+    ids_k = head_params[DRAFT_VOCAB]["target_ids"]
+    return jnp.full((self.target_config.vocab_size,), -1, jnp.int32).at[ids_k].set(
+        jnp.arange(ids_k.shape[0], dtype=jnp.int32))
 
 
 def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
@@ -227,8 +252,10 @@ def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformatio
   """`train_step(state, target_params, tokens_bt, loss_mask_bt[, segment_ids_bt])`, unjitted.
 
   The step returns `(state, metrics)`: the next `TrainState` and the loss, learning rate,
-  grad norm and the loss function's aux. The step's randomness (anchor sampling) is
-  `fold_in(seed, step)`, so a resumed run draws exactly what an uninterrupted one would.
+  grad norm and the loss function's aux. The optimizer state covers the head's trainable
+  params only (`optimizer.init(head.split_frozen(params)[0])`). The step's randomness (anchor
+  sampling) is `fold_in(seed, step)`, so a resumed run draws exactly what an uninterrupted one
+  would.
 
   Args:
     loss_fn: from `make_loss_fn`.
@@ -244,11 +271,13 @@ def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformatio
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
     # The target runs outside differentiation, so none of its activations are kept for backprop.
     inputs = loss_fn.prepare(target_params, tokens_bt, loss_mask_bt, rng, segment_ids_bt)
-    grad_fn = jax.value_and_grad(loss_fn.at_anchors, has_aux=True)
-    (loss, aux), grads = grad_fn(state.head_params, target_params, tokens_bt, loss_mask_bt,
-                                 *inputs)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.head_params)
-    params = optax.apply_updates(state.head_params, updates)
+    # A draft vocabulary's LM head and ids stay as they are: the optimizer never sees them.
+    trainable, frozen = split_frozen(state.head_params)
+    loss_of = lambda params, *args: loss_fn.at_anchors({**params, **frozen}, *args)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    (loss, aux), grads = grad_fn(trainable, target_params, tokens_bt, loss_mask_bt, *inputs)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    params = {**optax.apply_updates(trainable, updates), **frozen}
     metrics = {"loss": loss, "learning_rate": schedule(state.step),
                "grad_norm": optax.tree.norm(grads), **aux}
     return TrainState(step=state.step + 1, head_params=params, opt_state=opt_state), metrics
