@@ -1,4 +1,5 @@
 # `make test` and `make decode` are the whole set-up: each creates .venv on first use.
+# `make docs` builds the documentation site into docs/_build/html (offline, warnings as errors).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ ARGS ?= --max-new-tokens 128
 CONFIG ?= configs/embedded.py:quick
 WORKDIR ?= runs/quick
 
-.PHONY: install test decode train clean speculators-venv
+.PHONY: install test docs decode train clean speculators-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
 # speculators 0.9.0 in a venv of its own, for tests/test_speculators_interop.py: made once per
 # machine outside the checkout (2-5 minutes, 1.5 GB), reused after; where it cannot be made,
 # that test skips and says why.
@@ -27,6 +34,10 @@ speculators-venv: $(STAMP)
 
 test: $(STAMP) speculators-venv
 	$(BIN)/python -m pytest -q -n 2 tests
+
+# Runs docs/guides/walkthrough.py once and every CLI's --help; Sphinx warnings fail the build.
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 decode: $(STAMP)
 	$(BIN)/python decode.py $(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") --prompt "$(PROMPT)" $(ARGS)
@@ -38,4 +49,4 @@ train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(TRAIN_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build

@@ -53,7 +53,7 @@ def get_config(arg: str | None = "jetflow"):
   # Weigh depth k by exp(-(k-1)/7): the far depths a tree rarely reaches get less say.
   c.train.depth_gamma = 7.0
   # 2,200 steps of 16 rows cover the 20,000 continuations 1.8 times; the agreement curve
-  # is flat from about step 1,500 (docs/embedded_heads.png).
+  # is flat from about step 1,500 (docs/figures/embedded_heads.png).
   c.train.epochs = 4
   c.train.num_steps = 2200
   c.train.log_every = 20

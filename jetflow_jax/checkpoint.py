@@ -29,13 +29,23 @@ def is_converted(path: str) -> bool:
 def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Config, dict]:
   """Loads a Qwen3 / Qwen3-MoE checkpoint as (config, frozen params pytree).
 
-  `path` is either a HF directory (`config.json` + `model.safetensors` or
-  sharded files with `model.safetensors.index.json`) or a directory written by
-  `python -m jetflow_jax.convert`, or a Hugging Face repo id (`Qwen/Qwen3-8B[@rev]`,
-  resolved through the hub cache). Params are cast to `dtype`.
+  Args:
+    path: a HF directory (`config.json` + `model.safetensors` or sharded files with
+      `model.safetensors.index.json`; bf16, fp16 or fp32), a directory written by
+      `python -m jetflow_jax.convert`, or a Hugging Face repo id (`Qwen/Qwen3-8B[@rev]`,
+      resolved through the hub cache).
+    dtype: every param is cast to it.
+    shardings: `shardings(config, abstract_params)`, returning a pytree of shardings
+      (`DecodeMesh.param_shardings` is one), places every leaf on its devices as it loads:
+      each process reads only the slices its devices hold. None: the default device.
 
-  `shardings(config, abstract_params)`, returning a pytree of shardings, places every leaf
-  on its devices as it loads: each process reads only the slices its devices hold.
+  Returns:
+    `(config, params)`: the `Qwen3Config` and a plain pytree of arrays.
+
+  Raises:
+    CheckpointError: a missing directory or file, a truncated shard, or tensors whose shapes
+      disagree with `config.json` (every one of them named).
+    ConfigError: a `config.json` this port does not support.
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   config = load_config(path)
@@ -53,7 +63,24 @@ def load_qwen3(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Confi
 
 
 def save_converted(hf_dir: str, out_dir: str, dtype=jnp.bfloat16) -> Qwen3Config:
-  """Converts a HF checkpoint to orbax params plus its config and tokenizer files."""
+  """Converts a HF checkpoint to orbax params plus its config and tokenizer files.
+
+  `python -m jetflow_jax.convert` calls it; `load_qwen3` reads the result faster than the
+  safetensors.
+
+  Args:
+    hf_dir: the HF checkpoint (directory or hub id).
+    out_dir: the directory to write.
+    dtype: the params' dtype on disk.
+
+  Returns:
+    The checkpoint's config.
+
+  Raises:
+    CheckpointError: `out_dir` already holds params (or an interrupted conversion), or the
+      checkpoint cannot be read.
+    ConfigError: a config this port does not support.
+  """
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(os.path.join(out_dir, PARAMS_SUBDIR)):
     state = "converted params" if is_converted(out_dir) else "an interrupted conversion"

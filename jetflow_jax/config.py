@@ -14,7 +14,33 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-  """Architecture hyper-parameters. Frozen and hashable, so it is a static jit argument."""
+  """Architecture hyper-parameters. Frozen and hashable, so it is a static jit argument.
+
+  The fields are those of a HF Qwen3 / Qwen3-MoE `config.json` (`from_hf_dict`, `load_config`).
+
+  Attributes:
+    vocab_size: V, rows of the embedding and the LM head.
+    hidden_size: D, the model width.
+    intermediate_size: F, the dense MLP width (0 where every layer is MoE).
+    num_hidden_layers: decoder layers.
+    num_attention_heads: N, query heads.
+    num_key_value_heads: K, key/value heads (GQA); N must be a multiple of K.
+    head_dim: H, the width of one head (even, for RoPE).
+    rms_norm_eps: the epsilon of every RMSNorm.
+    rope_theta: the RoPE base.
+    tie_word_embeddings: the LM head is the embedding.
+    max_position_embeddings: the context window decoding checks prompts against.
+    num_experts: E, experts per MoE layer; 0 for a dense model.
+    num_experts_per_tok: experts each token is routed to.
+    moe_intermediate_size: one expert's MLP width.
+    norm_topk_prob: renormalise the chosen experts' router probabilities.
+    decoder_sparse_step: every this-many-th layer is MoE (as transformers counts).
+    mlp_only_layers: layers that stay dense in an MoE model.
+    eos_token_ids: the default stop tokens (`config.json` and `generation_config.json` merged).
+
+  Raises:
+    ConfigError: heads that do not divide, an odd `head_dim`, or a top-k outside the experts.
+  """
 
   vocab_size: int
   hidden_size: int
@@ -50,6 +76,7 @@ class Qwen3Config:
 
   @property
   def is_moe(self) -> bool:
+    """Whether the model has experts."""
     return self.num_experts > 0
 
   def is_moe_layer(self, layer: int) -> bool:
@@ -59,7 +86,20 @@ class Qwen3Config:
 
   @classmethod
   def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
-    """Builds a config from the fields of a HF Qwen3 / Qwen3-MoE `config.json`."""
+    """Builds a config from the fields of a HF Qwen3 / Qwen3-MoE `config.json`.
+
+    Args:
+      raw: the parsed `config.json`.
+      source: where it came from, for error messages.
+
+    Returns:
+      The config. Both spellings of the RoPE base are read (`rope_parameters.rope_theta`,
+      transformers 5.x, and a top-level `rope_theta`).
+
+    Raises:
+      ConfigError: another model type, a required field missing, or a feature no Qwen3 release
+        uses (attention bias, sliding window, RoPE scaling).
+    """
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ConfigError(
@@ -123,7 +163,12 @@ def read_config_json(directory: str) -> dict[str, Any]:
 
 
 def load_config(directory: str) -> Qwen3Config:
-  """The model config of a checkpoint directory; stop tokens merged from generation_config.json."""
+  """The model config of a checkpoint directory; stop tokens merged from generation_config.json.
+
+  Raises:
+    CheckpointError: no such directory, no `config.json`, or one that is not JSON.
+    ConfigError: a config this port does not support.
+  """
   config = Qwen3Config.from_hf_dict(read_config_json(directory),
                                     source=os.path.join(directory, "config.json"))
   generation_path = os.path.join(directory, "generation_config.json")

@@ -39,7 +39,19 @@ class ControlledParams:
 
 def controlled_params(reference: Sequence[Sequence[int]] | np.ndarray,
                       distribution: Sequence[float]) -> ControlledParams:
-  """Params from per-row token lists (prompt + continuation; ragged rows are zero-padded)."""
+  """Params from per-row token lists (prompt + continuation; ragged rows are zero-padded).
+
+  Args:
+    reference: per row, the prompt then the target's greedy continuation.
+    distribution: P(k correct tokens a round) for k = 0..depth (`depth_distribution_for_tau`
+      gives one for a tau).
+
+  Returns:
+    The `ControlledParams`.
+
+  Raises:
+    InputError: a distribution that is not one.
+  """
   if isinstance(reference, np.ndarray):
     reference_bs = reference.astype(np.int32)
   else:
@@ -54,7 +66,17 @@ def controlled_params(reference: Sequence[Sequence[int]] | np.ndarray,
 
 @dataclasses.dataclass(frozen=True)
 class ControlledDrafter:
-  """Copies `ControlledParams.reference_bs` for a drawn number of depths per row and round."""
+  """Copies `ControlledParams.reference_bs` for a drawn number of depths per row and round.
+
+  A `Drafter` of known acceptance for benchmarks without a trained head (the module docstring
+  says how); its params come from `controlled_params`.
+
+  Attributes:
+    depth: D, the depths it drafts.
+    seed: the key its per-round draws derive from.
+    confidence: logit margin of the top-1 token: log-prob ~0, others ~-confidence.
+    tap_layers: none: it reads no taps.
+  """
 
   depth: int
   seed: int = 0

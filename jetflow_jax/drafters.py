@@ -39,20 +39,83 @@ from jetflow_jax.head_config import HeadConfig
 
 
 class Drafter(Protocol):
+  """What a round asks of a drafter: a frozen, hashable object (static under jit) over an
+  explicit params pytree and an explicit state pytree.
+
+  The drafter's context is the committed tokens before each row's anchor; its state holds what
+  it keeps of them (the head's context K/V), built from the target's taps: the raw outputs of
+  the layers in `tap_layers` for every committed token. Every method runs inside the jitted
+  round: no host round trips, fixed shapes.
+
+  Attributes:
+    depth: D, the number of depths it drafts per round (the head: `block_size - 1`).
+    tap_layers: target layers whose raw hidden states it wants for committed tokens; () for
+      none (then `taps_btld` has no layers).
+  """
+
   depth: int
   tap_layers: tuple[int, ...]
 
-  def init_state(self, params, target_params, taps_btld, cache_size: int) -> Any: ...
+  def init_state(self, params, target_params, taps_btld, cache_size: int) -> Any:
+    """Its state after the prefill.
+
+    Args:
+      params: its params.
+      target_params: the target's params.
+      taps_btld: `[B, T, len(tap_layers), D]` taps of the prompt rows at slots 0..T-1,
+        padding past each row's length.
+      cache_size: the slots a row's context may need (static).
+
+    Returns:
+      The state, a pytree (None for none).
+    """
+    ...
 
   def draft(self, params, target_params, target_config: Qwen3Config, state, anchor_b,
-            context_len_b) -> jax.Array: ...
+            context_len_b) -> jax.Array:
+    """Per-depth log-probs after each row's anchor.
 
-  def commit(self, params, state, taps_btld, start_b) -> Any: ...
+    Args:
+      params: its params.
+      target_params: the target's params (a head uses its embedding and LM head).
+      target_config: the target's config.
+      state: its state; only read.
+      anchor_b: `[B]` int32, each row's last committed token.
+      context_len_b: `[B]` int32: the anchor sits at this position, with that many committed
+        tokens before it.
+
+    Returns:
+      `[B, D, V]` log-probs of the tokens at depths 1..D after the anchor.
+    """
+    ...
+
+  def commit(self, params, state, taps_btld, start_b) -> Any:
+    """Its state after the tokens at positions `start_b + t` were committed.
+
+    Args:
+      params: its params.
+      state: its state.
+      taps_btld: `[B, T, len(tap_layers), D]` taps of the committed tokens; rows past what a
+        row committed are junk, which a later commit overwrites and which must not be read.
+      start_b: `[B]` int32, the position of each row's first committed token here.
+
+    Returns:
+      The new state (same structure).
+    """
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadDrafter:
-  """The causal-parallel (JetFlow) or bidirectional (DFlash) draft head; state: its context K/V."""
+  """The causal-parallel (JetFlow) or bidirectional (DFlash) draft head; state: its context K/V.
+
+  Its params are the head's params (`load_head`); `drafter_for` builds it for a method.
+
+  Attributes:
+    config: the head's config.
+    dtype: the compute dtype (that of its params).
+    impl: the attention path of the head's block (`xla`, `pallas`, `pallas_tpu`).
+  """
 
   config: HeadConfig
   dtype: Any = jnp.float32
@@ -60,10 +123,12 @@ class HeadDrafter:
 
   @property
   def depth(self) -> int:
+    """`block_size - 1`."""
     return self.config.depth
 
   @property
   def tap_layers(self) -> tuple[int, ...]:
+    """The head's `target_layer_ids`."""
     return tuple(self.config.target_layer_ids)
 
   def init_state(self, params, target_params, taps_btld, cache_size: int):

@@ -87,7 +87,16 @@ class DraftHead(nn.Module):
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_head_params(config: HeadConfig, rng: jax.Array, dtype: Dtype = jnp.float32):
-  """Fresh head params (float32 master weights by default)."""
+  """Fresh head params (float32 master weights by default). Jitted.
+
+  Args:
+    config: the head's config (static).
+    rng: a `jax.random.key`.
+    dtype: the params' dtype (static).
+
+  Returns:
+    The params pytree, as `load_head` returns it.
+  """
   c = config
   taps = jnp.zeros((1, 1, c.num_taps, c.hidden_size), dtype)
   x = jnp.zeros((1, 1, c.hidden_size), dtype)
@@ -165,7 +174,19 @@ def init_head_cache(config: HeadConfig, batch: int, size: int, dtype: Dtype) -> 
 
 def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, start_b,
                    dtype: Dtype = jnp.float32) -> KVCache:
-  """Writes context K/V for T newly committed tokens at slots (= positions) start_b + t."""
+  """Writes context K/V for T newly committed tokens at slots (= positions) start_b + t.
+
+  Args:
+    head_params: the head's params.
+    config: its config.
+    cache: the head's context `KVCache`.
+    taps_btld: `[B, T, taps, D]` the target's taps of the committed tokens.
+    start_b: `[B]` the slot of each row's first one.
+    dtype: the compute dtype.
+
+  Returns:
+    The cache with every layer's context K/V written.
+  """
   positions_bt = start_b[:, None] + jnp.arange(taps_btld.shape[1], dtype=jnp.int32)[None, :]
   kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
       {"params": _module_params(head_params)}, taps_btld.astype(dtype), positions_bt,
@@ -177,7 +198,11 @@ def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, s
 def context_cache(head_params, config: HeadConfig, taps_btld, size: int,
                   dtype: Dtype = jnp.float32) -> KVCache:
   """A context cache of `size` slots holding the K/V of T prompt rows' taps at slots 0..T-1
-  (what `append_context` writes into a zeroed cache, built in one pass)."""
+  (what `append_context` writes into a zeroed cache, built in one pass).
+
+  Returns:
+    The head's context `KVCache`.
+  """
   positions_bt = jnp.broadcast_to(jnp.arange(taps_btld.shape[1], dtype=jnp.int32),
                                   taps_btld.shape[:2])
   kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
@@ -200,6 +225,20 @@ def draft_block(head_params, config: HeadConfig, target_params, target_config: Q
 
   The cache is only read: the block attends to its context slots and to itself
   (causally or not), and its own keys never enter the cache.
+
+  Args:
+    head_params: the head's params.
+    config: its config.
+    target_params: the target's params (embedding and LM head).
+    target_config: the target's config.
+    cache: the head's context `KVCache`.
+    context_len_b: `[B]` context rows each block reads (the anchor's position).
+    anchor_b: `[B]` the anchor tokens.
+    dtype: the compute dtype.
+    impl: the attention path (`xla`, `pallas`, `pallas_tpu`).
+
+  Returns:
+    float32 logits `[B, depth, V]`.
   """
   batch, block = anchor_b.shape[0], config.block_size
   x_btd = embed_tokens(target_params, target_config, _block_tokens(config, anchor_b[:, None])[:, 0])
@@ -215,11 +254,26 @@ def draft_block(head_params, config: HeadConfig, target_params, target_config: Q
 def draft_logits(head_params, head_config: HeadConfig, target_params,
                  target_config: Qwen3Config, token_ids):
   """Per-depth draft logits `[batch, block_size - 1, vocab]` (over the head's draft vocabulary,
-  if it has one: `to_target_ids` maps its ids).
+  if it has one: `to_target_ids` maps its ids). Jitted.
 
-  The last token of `token_ids` (`[batch, n]`, n >= 2) is the anchor; the
-  target's taps of the n - 1 earlier tokens are the context, at positions
-  0..n-2, and the block sits at positions n-1 .. n-2+block.
+  The last token of `token_ids` is the anchor; the target's taps of the n - 1 earlier tokens
+  are the context, at positions 0..n-2, and the block sits at positions n-1 .. n-2+block.
+  This is the decode-time path from scratch (one target forward for the taps, then the head);
+  decoding itself keeps the head's context K/V across rounds (`drafters.HeadDrafter`).
+
+  Args:
+    head_params: the head's params.
+    head_config: its config (static).
+    target_params: the target's params (its embedding, taps and LM head are used).
+    target_config: the target's config (static).
+    token_ids: `[batch, n]` int token ids, n >= 2.
+
+  Returns:
+    float32 logits `[batch, block_size - 1, vocab]`: row k - 1 is the distribution of the token
+    at depth k after the anchor.
+
+  Raises:
+    InputError: fewer than 2 tokens per row.
   """
   token_ids = jnp.asarray(token_ids, jnp.int32)
   batch, n = token_ids.shape

@@ -114,8 +114,23 @@ def read_weights(directory: str, config: HeadConfig, dtype, allowed_extra=()) ->
 
 
 def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat16) -> None:
-  """Writes `config.json` + `model.safetensors` in the reference layout (a draft vocabulary, which
-  the reference does not have, as `draft_vocab_size`, `lm_head.weight`, `d2t` and `t2d`)."""
+  """Writes `config.json` + `model.safetensors` in the reference layout.
+
+  The reference's decode code (`DFlashDraftModel`) and `load_head` read the result.
+
+  Args:
+    head_params: the head's params.
+    config: its config.
+    out_dir: the directory to write (created if missing).
+    dtype: the dtype of the saved tensors.
+
+  A draft vocabulary, which the reference does not have, is written as `draft_vocab_size`,
+  `lm_head.weight`, `d2t` and `t2d`.
+
+  Raises:
+    ConfigError: the head does not know its target's layer count (name the target:
+      `export_head --verifier`).
+  """
   if not config.num_target_layers:
     raise ConfigError("the reference layout records the target's layer count, which this head "
                       "does not know: name the target (export_head --verifier)")
@@ -127,8 +142,24 @@ def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat
 
 def save_speculators_head(head_params, config: HeadConfig, out_dir: str, verifier: Verifier,
                           dtype=jnp.bfloat16, kind: str | None = None) -> None:
-  """Writes `config.json` + `model.safetensors` as vLLM speculators' `dflash` (bidirectional) or
-  `jetspec` (causal) type, or `kind`, naming `verifier` (see `speculators_format`)."""
+  """Writes `config.json` + `model.safetensors` in vLLM speculators' format.
+
+  `load_head` and speculators' own `from_pretrained` read the result.
+
+  Args:
+    head_params: the head's params.
+    config: its config.
+    out_dir: the directory to write (created if missing).
+    verifier: the target it drafts for (`speculators_format.read_verifier`), named in
+      `speculators_config`.
+    dtype: the dtype of the saved tensors.
+    kind: `dflash` or `jetspec`; by default `dflash` for a bidirectional head, `jetspec` for a
+      causal one.
+
+  Raises:
+    ConfigError: an unknown `kind`, or one the head cannot be (a bidirectional head as
+      `jetspec`).
+  """
   raw = speculators_format.to_speculators_dict(config, verifier, jnp.dtype(dtype).name, kind)
   os.makedirs(out_dir, exist_ok=True)
   write_weights(head_params, config, out_dir, dtype)
@@ -170,10 +201,20 @@ def head_format(path: str) -> str:
 def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   """Loads a draft head as (HeadConfig, params).
 
-  `path` is a reference-layout HF directory (JetSpec / DFlash heads, or ours
-  exported with `save_hf_head`), a speculators `dflash` / `jetspec` directory (Red Hat's,
-  or ours exported with `save_speculators_head`), a training workdir of `train.py` (its
-  latest checkpoint), or a Hugging Face repo id (`JetSpec/jetspec-qwen3-8b[@rev]`).
+  Args:
+    path: a reference-layout HF directory (JetSpec / DFlash heads, or ours exported with
+      `save_hf_head`), a speculators `dflash` / `jetspec` directory (Red Hat's, or ours from
+      `save_speculators_head`), a training workdir of `train.py` (its latest checkpoint), or a
+      Hugging Face repo id (`JetSpec/jetspec-qwen3-8b[@rev]`).
+    dtype: every param is cast to it.
+
+  Returns:
+    `(head_config, head_params)`.
+
+  Raises:
+    CheckpointError: a missing directory, file or tensor, a shape that disagrees with the
+      config, or a workdir with no checkpoint yet.
+    ConfigError: a `config.json` that is not a draft head's.
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   if (config := workdir_head_config(path)) is not None:
@@ -205,13 +246,27 @@ def default_verifier(head_path: str, raw: dict | None) -> str | None:
 
 def export_head(head: str, fmt: str, out_dir: str, verifier: str | None = None,
                 dtype=jnp.bfloat16, kind: str | None = None) -> tuple[HeadConfig, Verifier | None]:
-  """Writes the head `head` (anything `load_head` reads) to `out_dir` as `fmt` (`speculators`,
-  of type `kind` if given, or `reference`); returns its config and the verifier named (read
-  when it was at hand).
+  """Writes a head in another format: what `python -m jetflow_jax.export_head` runs.
 
   The verifier defaults to the one the head names (speculators format) or the embedded target
   (embedded heads); the speculators format needs one. When its config.json is at hand (a
   local directory, or the Hugging Face cache) the head is checked against it.
+
+  Args:
+    head: anything `load_head` reads.
+    fmt: `speculators` or `reference`.
+    out_dir: the directory to write: new, or holding an earlier export only.
+    verifier: a hub id or a local directory of the target.
+    dtype: the dtype of the saved tensors.
+    kind: the speculators type (`dflash`, `jetspec`); by default from the head's mask.
+
+  Returns:
+    `(head_config, verifier)`: the head's config and the verifier named (None if none was).
+
+  Raises:
+    ConfigError: an unknown format, `out_dir` holding something else or being the head's own
+      directory, a speculators export without a verifier, or a verifier the head does not fit.
+    CheckpointError: the head cannot be read.
   """
   if fmt not in FORMATS:
     raise ConfigError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")

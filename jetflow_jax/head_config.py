@@ -28,7 +28,28 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-  """Architecture of a draft head and how it attaches to its target. Hashable (static under jit)."""
+  """Architecture of a draft head and how it attaches to its target. Hashable (static under jit).
+
+  Attributes:
+    num_layers: the head's own Qwen3 decoder layers.
+    hidden_size: its width, which must be the target's (it uses the target's embedding and LM
+      head).
+    intermediate_size: its MLP width.
+    num_attention_heads: its query heads.
+    num_key_value_heads: its key/value heads.
+    head_dim: its head width.
+    target_layer_ids: the target layers whose raw outputs (taps) it reads for committed
+      tokens; never the last layer.
+    num_target_layers: the layer count of the target it was built for.
+    vocab_size: the target's vocabulary.
+    block_size: the block `[anchor, MASK x (block_size - 1)]`; it drafts `block_size - 1`
+      depths a round.
+    mask_token_id: the reserved vocabulary id of MASK (Qwen3: 151669, a padded embedding row).
+    causal: True for JetFlow (offset i of the block sees offsets <= i); False for the
+      bidirectional DFlash baseline.
+    rms_norm_eps: the epsilon of its RMSNorms.
+    rope_theta: its RoPE base.
+  """
 
   num_layers: int
   hidden_size: int
@@ -55,6 +76,7 @@ class HeadConfig:
 
   @property
   def num_taps(self) -> int:
+    """How many target layers it reads."""
     return len(self.target_layer_ids)
 
   @property
@@ -76,7 +98,21 @@ class HeadConfig:
                  target_layer_ids: tuple[int, ...] | None = None, block_size: int = 16,
                  mask_token_id: int = QWEN3_MASK_TOKEN_ID, causal: bool = True,
                  **overrides) -> "HeadConfig":
-    """A head shaped like its target's layers; taps default to `num_layers` spread taps."""
+    """A head shaped like its target's layers; taps default to `num_layers` spread taps.
+
+    Args:
+      target: the target's config.
+      num_layers: the head's decoder layers.
+      target_layer_ids: the taps; None spreads `num_layers` of them from layer 1 to L-3 (the
+        reference's rule).
+      block_size: the draft block, anchor included.
+      mask_token_id: the reserved MASK id.
+      causal: JetFlow (True) or DFlash (False).
+      **overrides: any other field, e.g. `intermediate_size`.
+
+    Returns:
+      The config (not yet validated against the target: `validate_for`).
+    """
     taps = target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers)
     fields = dict(
         num_layers=num_layers, hidden_size=target.hidden_size,
@@ -90,7 +126,12 @@ class HeadConfig:
     return cls(**fields)
 
   def validate_for(self, target: Qwen3Config) -> None:
-    """Raises one ConfigError listing every way this head does not fit `target`."""
+    """Checks this head against `target`.
+
+    Raises:
+      ConfigError: one error listing every way this head does not fit `target` (width,
+        vocabulary, layer count, taps, mask id, block size, heads).
+    """
     problems = []
     if self.hidden_size != target.hidden_size:
       problems.append(f"head hidden_size {self.hidden_size} != target hidden_size "
@@ -153,7 +194,11 @@ class HeadConfig:
 
   @classmethod
   def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "HeadConfig":
-    """Reads a reference head `config.json` (JetSpec or DFlash; DFlash heads are bidirectional)."""
+    """Reads a reference head `config.json` (JetSpec or DFlash; DFlash heads are bidirectional).
+
+    Raises:
+      ConfigError: not a draft-head config, or layers this port does not support.
+    """
     if "block_size" not in raw or "num_target_layers" not in raw:
       raise ConfigError(f"{source} is not a draft-head config (needs block_size and "
                         "num_target_layers)")

@@ -34,7 +34,12 @@ RULES: partitioning.Rules = {
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """`tp=4,ep=2` -> {"tp": 4, "ep": 2}; unknown axes and bad sizes are refused by name."""
+  """`tp=4,ep=2` -> {"tp": 4, "ep": 2}.
+
+  Raises:
+    InputError: an unknown axis, a size that is not a positive integer, or an axis given twice
+      (each named).
+  """
   sizes = {}
   for part in filter(None, (p.strip() for p in text.split(","))):
     name, _, value = part.partition("=")
@@ -50,12 +55,21 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMesh:
-  """A (data, tp, ep) mesh and where each part of decoding lives on it."""
+  """A (data, tp, ep) mesh and where each part of decoding lives on it.
+
+  Attributes:
+    mesh: the `jax.sharding.Mesh` with axes `data`, `tp`, `ep`.
+  """
 
   mesh: Mesh
 
   @classmethod
   def create(cls, data: int = 1, tp: int = 1, ep: int = 1, devices=None) -> "DecodeMesh":
+    """A mesh of `data x tp x ep` devices: the first ones of `devices` (default: all).
+
+    Raises:
+      InputError: more devices asked for than there are.
+    """
     devices = list(jax.devices() if devices is None else devices)
     need = data * tp * ep
     if need > len(devices):
@@ -64,10 +78,15 @@ class DecodeMesh:
     return cls(Mesh(np.array(devices[:need]).reshape(data, tp, ep), AXES))
 
   def size(self, axis: str) -> int:
+    """The size of one axis."""
     return self.mesh.shape[axis]
 
   def check(self, config: Qwen3Config) -> None:
-    """Refuses a mesh the target cannot be split over, naming every reason."""
+    """Refuses a mesh the target cannot be split over.
+
+    Raises:
+      InputError: naming every reason.
+    """
     tp, ep = self.size("tp"), self.size("ep")
     problems = []
     counts = [("attention heads", config.num_attention_heads),
@@ -122,6 +141,7 @@ class DecodeMesh:
     return NamedSharding(self.mesh, partitioning.spec(partitioning.ROWS_AXES, RULES, self.mesh))
 
   def replicated(self) -> NamedSharding:
+    """The same value on every device."""
     return NamedSharding(self.mesh, P())
 
   def put(self, tree, sharding: NamedSharding):

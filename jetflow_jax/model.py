@@ -30,10 +30,14 @@ Dtype = Any
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated per-layer key/value buffers, each `[B, S, K, H]`.
+  """Preallocated per-layer key/value buffers, each `[B, S, K, H]`. A pytree.
 
   Slots are plain storage: which slots a query may read is decided by the mask
   passed to each forward, and where new keys land by `cache_index`.
+
+  Attributes:
+    k: one key buffer `[B, S, K, H]` per layer.
+    v: one value buffer `[B, S, K, H]` per layer.
   """
 
   k: tuple[jax.Array, ...]
@@ -41,6 +45,7 @@ class KVCache:
 
   @property
   def size(self) -> int:
+    """S, the number of slots."""
     return self.k[0].shape[1]
 
   @classmethod
@@ -57,6 +62,7 @@ class KVCache:
 
   @classmethod
   def zeros(cls, config: Qwen3Config, batch: int, size: int, dtype: Dtype) -> "KVCache":
+    """A zeroed cache of `size` slots for every layer of `config`."""
     shape = (batch, size, config.num_key_value_heads, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
     return cls(k=zeros, v=zeros)
@@ -344,6 +350,29 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   `experts` picks the MoE layers' grouped matmuls (see `moe.MoE`); with a decode `mesh`
   (axes data, tp, ep; params placed by `jetflow_jax.mesh.DecodeMesh`) MoE layers run
   expert-parallel instead.
+
+  Args:
+    params: the target's params.
+    config: its config.
+    tokens_bt: `[B, T]` token ids.
+    positions_bt: `[B, T]` RoPE positions; by default the rows' slots.
+    cache: a `KVCache` to write into (and read), or None.
+    cache_index_b: `[B]` the slot of each row's first token; by default 0.
+    mask_bts: `[B, T, S]` (or `[B, T, T]` without a cache) which keys each row reads; by
+      default causal over slots.
+    tap_layers: decoder layers whose raw outputs to return.
+    dtype: the compute dtype; by default the params'.
+    impl: the attention path (`xla`, `pallas`, `pallas_tpu`).
+    tree_mask_btt: `[B, T, T]` for tree verification and draft blocks: the cache is only read.
+    experts: the MoE layers' grouped matmuls (`ragged`, `blocked`).
+    mesh: a decode mesh, for expert-parallel MoE layers.
+
+  Returns:
+    `(hidden_btd, cache, taps)`: the final-normed hidden states `[B, T, D]`, the cache (or the
+    rows' own K/V), and the taps `[B, T, len(tap_layers), D]` (None without taps).
+
+  Raises:
+    ValueError: `tree_mask_btt` without a cache.
   """
   batch, length = tokens_bt.shape
   if cache_index_b is None:
@@ -425,7 +454,9 @@ def embed_tokens(params, config: Qwen3Config, tokens_bt, dtype: Dtype | None = N
 
 
 def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = None):
-  """The target's float32 logits for final-normed hidden states."""
+  """The target's float32 logits `[..., V]` for final-normed hidden states `[..., D]` (the LM
+  head, or the embedding when tied; computed in `dtype`, default the params', accumulated in
+  float32)."""
   dtype = dtype or params_dtype(params)
   return Qwen3(config, dtype=dtype, layout=kernel_layout(params)).apply(
       {"params": params}, hidden_btd, method=Qwen3.logits)
@@ -433,10 +464,18 @@ def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = Non
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers"))
 def qwen3_forward(params, config: Qwen3Config, token_ids, tap_layers: Sequence[int] = ()):
-  """Full-sequence causal forward: float32 logits `[batch, seq, vocab]`.
+  """Full-sequence causal forward: float32 logits `[batch, seq, vocab]`. Jitted.
 
-  With `tap_layers`, returns `(logits, taps)` where taps is
-  `[batch, seq, len(tap_layers), hidden]` (raw outputs of those decoder layers).
+  Args:
+    params: the target's params, as `load_qwen3` returns them.
+    config: the target's config (static).
+    token_ids: `[batch, seq]` int token ids.
+    tap_layers: decoder layers whose raw outputs to return too (static).
+
+  Returns:
+    The logits, float32 `[batch, seq, vocab]`; with `tap_layers`, `(logits, taps)` where taps is
+    `[batch, seq, len(tap_layers), hidden]` (raw outputs of those decoder layers, before the
+    final norm).
   """
   hidden, _, taps = forward(params, config, jnp.asarray(token_ids, jnp.int32),
                             tap_layers=tap_layers)

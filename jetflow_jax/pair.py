@@ -152,7 +152,30 @@ def load_head_for(method: str, head: str | None, embedded_target: bool, dtype: s
 
 def load_pair(checkpoint: str | None = None, head: str | None = None, method: str | None = None,
               *, dtype: str = "auto", attention: str = "xla", mesh: str = "") -> Pair:
-  """Loads the target (placed on `mesh`, e.g. "tp=4") and the head `method` runs with."""
+  """Loads the target (placed on `mesh`, e.g. "tp=4") and the head `method` runs with.
+
+  What `decode.py`, the server, the bench, `calibrate` and regeneration load, from one set of
+  flags.
+
+  Args:
+    checkpoint: the target (a directory or hub id); None: the embedded target.
+    head: the head (a directory, workdir or hub id); None: with the embedded target, the
+      embedded head the method is made for.
+    method: `ar`, `dflash`, `ddtree` or `jetflow`; None: `jetflow` when there is a head, else
+      `ar`.
+    dtype: `auto` (bfloat16 on GPU/TPU, float32 on CPU), `float32`, `bfloat16`, ...
+    attention: `xla` or `pallas` (the backend's kernel).
+    mesh: a decode mesh such as `tp=4,ep=2`; "" for one device.
+
+  Returns:
+    The `Pair`: the target's directory, name, config and params, the method, the head's config
+    and params (None for ar), the attention path and the `DecodeMesh` (or None).
+
+  Raises:
+    CheckpointError: a target or head that cannot be read.
+    ConfigError: a config this port does not support.
+    InputError: a mesh that the devices or the target cannot take.
+  """
   embedded_target = checkpoint is None
   target = embedded.default_target() if embedded_target else hub.resolve(checkpoint)
   if method is None:

@@ -27,6 +27,14 @@ class Sampling:
   """Draws from softmax(logits / temperature) restricted to the top-k, then the top-p nucleus.
 
   `top_k=0` and `top_p=1.0` switch the respective filter off.
+
+  Attributes:
+    temperature: > 0 (`Greedy` is temperature 0).
+    top_k: keep the k likeliest tokens; 0: all.
+    top_p: keep the shortest prefix of the sorted distribution whose mass reaches p; 1.0: all.
+
+  Raises:
+    InputError: a temperature <= 0, a negative top-k, or a top-p outside (0, 1].
   """
 
   temperature: float = 1.0
@@ -66,7 +74,11 @@ Sampler = Greedy | Sampling
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampler:
-  """Greedy for temperature 0, else `Sampling`; bad values raise InputError."""
+  """Greedy for temperature 0, else `Sampling`.
+
+  Raises:
+    InputError: a negative temperature, or settings `Sampling` refuses.
+  """
   if temperature < 0:
     raise InputError(f"temperature must be >= 0 (got {temperature})")
   if temperature == 0:
@@ -88,6 +100,11 @@ class RowSampling:
 
   A sampled row draws from exactly `Sampling(t, k, p).processed_logits`; a greedy row takes the
   argmax. Each row draws with its own key, so its tokens depend on nothing else in the batch.
+
+  Attributes:
+    temperature_b: float32 `[B]`; 0 for a greedy row.
+    top_k_b: int32 `[B]`; 0: no top-k filter.
+    top_p_b: float32 `[B]`; 1.0: no top-p filter.
   """
 
   temperature_b: jax.Array  # float32

@@ -36,7 +36,18 @@ MAX_NODES = 2**31 - 1  # node indices are int32, so larger counts saturate here
 
 @flax.struct.dataclass
 class DraftTree:
-  """N nodes per row; node 0 is the root and every parent index is below its children's."""
+  """N nodes per row; node 0 is the root and every parent index is below its children's.
+
+  A pytree (`flax.struct.dataclass`), so trees pass through `jit`.
+
+  Attributes:
+    tokens: `[B, N]` int32; the root's is 0 (the caller fills in the anchor token).
+    parents: `[B, N]` int32; -1 for the root.
+    depths: `[B, N]` int32; the root has depth 0.
+    ancestor_mask: `[B, N, N]` bool; row i is True at i and at every ancestor of i (the
+      attention mask of tree verification).
+    scores: `[B, N]` float32 path log-prob; the root scores 0.
+  """
 
   tokens: jax.Array  # [B, N] int32; the root's is 0 (the caller fills in the anchor token)
   parents: jax.Array  # [B, N] int32; -1 for the root
@@ -90,7 +101,27 @@ def _ancestor_mask(parents_bn: jax.Array, max_depth: int) -> jax.Array:
 
 
 def build_tree(depth_logprobs, budget: int, top_k: int) -> DraftTree:
-  """The `budget` best nodes (root included) of the tree with each depth's top-`top_k` tokens."""
+  """The `budget` best nodes (root included) of the tree with each depth's top-`top_k` tokens.
+
+  Every node at depth d - 1 gets the same children, the top-`top_k` tokens of depth d; a node
+  scores the sum of the log-probs on its path. The kept set is exact, ties included (the module
+  docstring gives the order), and closed under ancestors. Jittable with `budget` and `top_k`
+  static; a `top_k` above `budget - 1` changes nothing and is capped there.
+
+  Args:
+    depth_logprobs: `[B, D, V]` per-depth log-probs, normalised per depth (scores add them
+      along paths, so raw logits would give another tree).
+    budget: N, the nodes kept, root included (>= 2).
+    top_k: K, the candidate children of every node.
+
+  Returns:
+    A `DraftTree` of N nodes per row, emitted by (depth, rank): every parent before its
+    children.
+
+  Raises:
+    InputError: `depth_logprobs` not 3-D, `budget` < 2 or more than the tree holds, or
+      `top_k` outside [1, V].
+  """
   logprobs_bdv = _as_logprobs(depth_logprobs)
   batch, depth, vocab = logprobs_bdv.shape
   validate_tree_args(depth, vocab, budget, top_k)
@@ -136,7 +167,17 @@ def build_tree(depth_logprobs, budget: int, top_k: int) -> DraftTree:
 
 
 def chain_tree(depth_logprobs) -> DraftTree:
-  """DFlash's chain: the top-1 token of every depth, node i at depth i under node i - 1."""
+  """DFlash's chain: the top-1 token of every depth, node i at depth i under node i - 1.
+
+  Args:
+    depth_logprobs: `[B, D, V]` per-depth log-probs.
+
+  Returns:
+    A `DraftTree` of D + 1 nodes per row (the root and one node per depth).
+
+  Raises:
+    InputError: `depth_logprobs` not 3-D.
+  """
   logprobs_bdv = _as_logprobs(depth_logprobs)
   batch, depth, vocab = logprobs_bdv.shape
   validate_tree_args(depth, vocab, depth + 1, 1)

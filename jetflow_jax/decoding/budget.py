@@ -38,7 +38,11 @@ COST_TABLES_ENV = "JETFLOW_COST_TABLES"
 
 
 def budget_ladder(max_budget: int, ladder: Sequence[int] = LADDER) -> tuple[int, ...]:
-  """AR (1), then the ladder's budgets below `max_budget`, then `max_budget` itself."""
+  """AR (1), then the ladder's budgets below `max_budget`, then `max_budget` itself.
+
+  Raises:
+    InputError: `max_budget` < 1.
+  """
   if max_budget < 1:
     raise InputError(f"the largest budget must be >= 1 node (got {max_budget})")
   return tuple(sorted({1, max_budget} | {n for n in ladder if n < max_budget}))
@@ -50,6 +54,9 @@ def expected_tau(tree: DraftTree, ladder: Sequence[int], in_order: bool = False)
   `tree` is built at budget max(ladder). A smaller budget's tree is its top-N by score
   (`build_tree`, whose nodes come by depth: sorted here) or, with `in_order`, its first N
   nodes (`build_tree_accum`, whose nodes come in insertion order).
+
+  Raises:
+    InputError: a ladder budget outside [1, the tree's nodes].
   """
   scores_bn = tree.scores
   if max(ladder) > scores_bn.shape[1] or min(ladder) < 1:
@@ -426,6 +433,8 @@ def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
+  """A chosen budget (`choose_budget`)."""
+
   budget: int
   index: int  # in the ladder
   tokens_per_s_l: np.ndarray  # expected committed tokens per second at every ladder budget
@@ -448,6 +457,10 @@ def choose_budget(tau_bl, costs: CostTable, method: str, ladder: Sequence[int],
   `tau_bl` holds the busy rows' expected committed tokens at each ladder budget
   (`AcceptanceModel.estimate()`, or `expected_tau` straight from a draft); AR commits one token
   a row. `busy_rows` (default: the rows of `tau_bl`) picks the round times in `costs`.
+
+  Returns:
+    The `Choice`: the budget, its index in the ladder, and the expected tokens per second of
+    every ladder budget.
   """
   tau_bl = np.asarray(tau_bl, np.float64)
   tokens_l = tau_bl.sum(axis=0)

@@ -53,7 +53,22 @@ decode = jax.jit(decode_rounds, static_argnames=("spec",), donate_argnames=("sta
 
 @dataclasses.dataclass
 class Generation:
-  """Generated token ids per prompt (stop token included) and how they were made."""
+  """Generated token ids per prompt (stop token included) and how they were made.
+
+  What `generate`, `speculative_generate` and `decode_prompts` return.
+
+  Attributes:
+    tokens: per row, the generated token ids (the prompt left out, a stop token kept).
+    committed_per_round: per row, the tokens each round committed (bonus included).
+    stop_reasons: per row, why it stopped (`StopReason`: `stop_token`, `max_tokens`,
+      `cache_full`, `cancelled`).
+    num_forwards: target forward passes, prefill included.
+    compile_s: ahead-of-time compilation of prefill and the loop.
+    wall_s: prefill + decoding; compilation, warm-up and a budget calibration excluded.
+    budgets: with auto, each round's budget.
+    calibrate_s: with auto, timing each budget's round, when the cost table did not have it.
+    warmup_s: first executions of the programs, on scratch state (auto, `warmup`).
+  """
 
   tokens: list[list[int]]
   committed_per_round: list[list[int]]  # per row: tokens each round committed (bonus included)
@@ -67,6 +82,7 @@ class Generation:
 
   @property
   def num_tokens(self) -> int:
+    """Generated tokens, all rows."""
     return sum(len(t) for t in self.tokens)
 
   @property
@@ -76,6 +92,7 @@ class Generation:
     return sum(map(sum, self.committed_per_round)) / rounds if rounds else 0.0
 
   def row_tau(self, row: int) -> float:
+    """`tau` of one row."""
     rounds = self.committed_per_round[row]
     return sum(rounds) / len(rounds) if rounds else 0.0
 
@@ -236,16 +253,47 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                    auto: bool | Sequence[int] = False, warmup: bool = False) -> Generation:
   """Decodes a batch of prompts (lists of token ids) with any drafter and tree shape.
 
-  With `on_tokens`, the host regains control every `stream_every` rounds and is given the
-  tokens so far (streaming); otherwise one jitted loop runs to the end. Both give the same
-  tokens. With `mesh`, `target_params` must be placed as `mesh.param_shardings` says; the
-  drafter's params are replicated over it here and the rows split over its `data` axis. In a
-  multi-process job every process passes the same arguments (`on_tokens` on all or none).
-  With `auto`, each round's budget is chosen on the ladder up to `tree_shape.budget`
-  (`decoding.auto`): the round of each budget compiles, and is timed once per shape; `auto` a
-  sequence of ladder budgets runs them in turn instead. With `auto` or `warmup`, every
-  program runs once on scratch state before the clock starts (`warm_up`; its time is
-  `Generation.warmup_s`), so `wall_s` holds no first executions.
+  `generate` and `speculative_generate` are thin calls of this; a drafter of your own plugs
+  in here (`jetflow_jax.drafters.Drafter`). Whatever the drafter proposes, greedy output is the
+  target's greedy output and sampled output follows the target's distribution.
+
+  Args:
+    target_params: the target's params.
+    config: the target's config.
+    drafter: a `Drafter` (hashable: it is static in the compiled round).
+    drafter_params: its params pytree (None for `NoDrafter`).
+    prompts: one list of token ids per row; rows of any lengths stop independently.
+    max_new_tokens: the most tokens a row generates (stop token included).
+    tree_shape: how a round turns the draft into a tree (`TreeShape("root")` with
+      `NoDrafter` is AR).
+    sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
+    seed: row b draws with `fold_in(key(seed), b)`.
+    cache_size: KV cache slots; by default a power of two that fits the longest prompt plus
+      `max_new_tokens`.
+    stop_tokens: the tokens that end a row; by default the config's EOS ids.
+    impl: the attention path, `xla` or a Pallas kernel (`pallas`, `pallas_tpu`).
+    on_tokens: with it, the host regains control every `stream_every` rounds and is given the
+      tokens so far, per row (streaming); otherwise one jitted loop runs to the end. Both give
+      the same tokens.
+    stream_every: rounds between calls of `on_tokens`, at first.
+    mesh: a `DecodeMesh`; `target_params` must be placed as `mesh.param_shardings` says; the
+      drafter's params are replicated over it here and the rows split over its `data` axis. In
+      a multi-process job every process passes the same arguments (`on_tokens` on all or none).
+    auto: True chooses each round's budget on the ladder up to `tree_shape.budget`
+      (`decoding.auto`): the round of each budget compiles, and is timed once per shape; a
+      sequence of ladder budgets runs them in turn instead.
+    warmup: with it (or `auto`), every program runs once on scratch state before the clock
+      starts (`warm_up`; its time is `Generation.warmup_s`), so `wall_s` holds no first
+      executions.
+
+  Returns:
+    A `Generation`: each row's tokens, the tokens each round committed, why each row stopped,
+    and timings.
+
+  Raises:
+    InputError: `max_new_tokens` < 1, a budget or top-k the tree cannot hold, an empty
+      prompt, a prompt that does not fit the cache, or prompts that do not split over the
+      mesh.
   """
   if max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")

@@ -12,7 +12,9 @@ from jetflow_jax.errors import InputError
 from jetflow_jax.head import head_dtype
 from jetflow_jax.head_config import HeadConfig
 
+#: The decoding methods: plain decoding, the DFlash chain, DDTree and JetFlow.
 METHODS = ("ar", "dflash", "ddtree", "jetflow")
+#: The methods that draft (every one but `ar`).
 SPECULATIVE = METHODS[1:]
 ATTENTION = ("xla", "pallas", "pallas_tpu")
 DEFAULT_BUDGET = 64
@@ -32,8 +34,14 @@ def head_kind(method: str) -> str | None:
 
 def tree_shape_for(method: str, budget: int = DEFAULT_BUDGET,
                    top_k: int = DEFAULT_TOP_K) -> TreeShape:
-  """ar: the root alone; dflash: the chain of per-depth top-1 tokens; ddtree and jetflow: the
-  exact top-`budget` tree over per-depth top-`top_k` candidates."""
+  """The tree shape `method` verifies.
+
+  ar: the root alone; dflash: the chain of per-depth top-1 tokens; ddtree and jetflow: the
+  exact top-`budget` tree over per-depth top-`top_k` candidates.
+
+  Raises:
+    InputError: an unknown method.
+  """
   check_method(method)
   if method == "ar":
     return TreeShape("root")
@@ -45,10 +53,25 @@ def tree_shape_for(method: str, budget: int = DEFAULT_BUDGET,
 def drafter_for(method: str, target_config: Qwen3Config, head_params,
                 head_config: HeadConfig | None, attention: str = "xla",
                 warn: Callable[[str], None] = print) -> Drafter:
-  """The drafter `method` runs with (`NoDrafter` for ar); bad names and heads raise InputError.
+  """The drafter `method` runs with (`NoDrafter` for ar, else a `HeadDrafter`).
 
   Naming `jetflow` with a bidirectional head, or `dflash`/`ddtree` with a causal one, calls
   `warn` once (an ablation).
+
+  Args:
+    method: `ar`, `dflash`, `ddtree` or `jetflow`.
+    target_config: the target's config.
+    head_params: the head's params (their dtype is the drafter's).
+    head_config: the head's config.
+    attention: `xla`, `pallas` or `pallas_tpu`.
+    warn: how the ablation warning is given.
+
+  Returns:
+    The drafter.
+
+  Raises:
+    InputError: an unknown method or attention, or a speculative method without a head.
+    ConfigError: a head that does not fit the target.
   """
   check_method(method)
   if attention not in ATTENTION:

@@ -38,7 +38,17 @@ from jetflow_jax.tree import (DraftTree, build_tree, build_tree_accum, chain_tre
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
   """How a round turns draft log-probs into a tree: the DFlash chain, the exact top-N tree, or
-  the reference's best-first `accum_logp` tree (`tree.build_tree_accum`)."""
+  the reference's best-first `accum_logp` tree (`tree.build_tree_accum`).
+
+  Frozen and hashable: static in the compiled round. Calling it on `[B, D, V]` log-probs
+  returns the `DraftTree`.
+
+  Attributes:
+    kind: `root` (the anchor alone: with `NoDrafter`, one AR step), `chain` (the top-1 token
+      of every depth), `top_n` (`tree.build_tree`) or `accum` (`tree.build_tree_accum`).
+    budget: nodes, root included (`top_n` and `accum`).
+    top_k: candidate children per depth (`top_n` and `accum`).
+  """
 
   kind: Literal["root", "chain", "top_n", "accum"]  # root: the anchor alone, one AR step
   budget: int = 0  # nodes, root included (top_n and accum)
@@ -54,7 +64,11 @@ class TreeShape:
     return build_tree(depth_logprobs_bdv, self.budget, self.top_k)
 
   def validate(self, drafter: Drafter, config: Qwen3Config) -> None:
-    """Refuses a budget or top-k the drafter's depth and the vocabulary cannot give."""
+    """Refuses a budget or top-k the drafter's depth and the vocabulary cannot give.
+
+    Raises:
+      InputError: the budget or top-k does not fit.
+    """
     if self.kind in ("top_n", "accum"):
       validate_tree_args(drafter.depth, draft_vocab_size(drafter, config), self.budget,
                          self.top_k)
@@ -62,7 +76,24 @@ class TreeShape:
 
 @dataclasses.dataclass(frozen=True)
 class RoundSpec:
-  """Everything static about a round (hashable: one compiled variant per value)."""
+  """Everything static about a round (hashable: one compiled variant per value).
+
+  `decode_prompts` and the engine build it; a caller of `decode_round` does too.
+
+  Attributes:
+    config: the target's config.
+    drafter: the `Drafter`.
+    tree_shape: the `TreeShape`.
+    impl: the attention path (`xla`, `pallas`, `pallas_tpu`).
+    sampled: False promises every row is greedy: no draw is made.
+    filtered: False promises no row filters by top-k / top-p: no sort is made.
+    logprobs: True: committed tokens get the target's log-probabilities.
+    ladder: budgets whose expected committed tokens a drafting round predicts
+      (`budget.expected_tau`, into `DecodeState.predicted_bl`); () for none.
+    mesh: the `DecodeMesh` the round runs over, or None.
+    taps: False: the round computes and keeps no taps for the drafter (an AR round after
+      which nothing drafts again in the request).
+  """
 
   config: Qwen3Config
   drafter: Drafter

@@ -23,7 +23,12 @@ MIN_BUCKET = 16
 
 
 class StopReason(enum.StrEnum):
-  """Why a row stopped: the one vocabulary of the batch loop, the engine and the server."""
+  """Why a row stopped: the one vocabulary of the batch loop, the engine and the server.
+
+  A string enum: `stop_token` (it committed one of its stop tokens), `max_tokens` (it holds
+  the new tokens it asked for), `cache_full` (its buffer has no room for another round),
+  `cancelled` (the host ended it).
+  """
 
   STOP_TOKEN = "stop_token"  # it committed one of its stop tokens
   MAX_TOKENS = "max_tokens"  # it holds the new tokens it asked for (--max-new-tokens)
@@ -37,6 +42,7 @@ class StopReason(enum.StrEnum):
 
   @classmethod
   def of_code(cls, code: int) -> "StopReason | None":
+    """The reason a device code stands for; None for a running row."""
     return None if code == RUNNING else list(cls)[code - 1]
 
 
@@ -51,6 +57,30 @@ class DecodeState:
   last (the anchor), and so does the drafter's context. A round writes `depth + 1` slots after
   the committed prefix (slots past what is committed are junk that later rounds overwrite), so
   every buffer keeps `depth + 1` spare slots past `capacity`.
+
+  A pytree (`flax.struct.dataclass`); every round takes it and returns the next one.
+
+  Attributes:
+    tokens_bs: committed tokens (prompt included), junk past `lengths_b`.
+    lengths_b: committed tokens per row.
+    max_lengths_b: a row stops once it holds this many tokens.
+    stop_b: int32 `StopReason.code`, 0 while the row decodes.
+    cache: the target's K/V (`KVCache`).
+    drafter_state: the drafter's state (the head's context K/V; None for AR).
+    keys_b: each row's request key; a draw folds in the row's committed length.
+    sampling: each row's temperature / top-k / top-p (`RowSampling`).
+    stop_tokens_bk: each row's stop ids, -1 pads.
+    num_forwards: target forward passes so far, prefill included (scalar).
+    rounds_b: rounds each row took part in.
+    committed_br: tokens committed by row b in its round r (bonus included).
+    logprobs_bs: the target's own log-probability of the token at each position, where a round
+      or a prefill was asked for them (`RoundSpec.logprobs`); junk elsewhere.
+    top_ids_bsx: the target's `top` likeliest tokens at each position (`[B, S, top]`).
+    top_logprobs_bsx: their log-probabilities.
+    predicted_bl: the last drafting round's expected committed tokens at each budget of
+      `RoundSpec.ladder` (`[B, 0]` without one).
+    pending_taps_bpld: taps of AR rounds not yet committed to the drafter (`[B, P, taps, D]`).
+    pending_from_b: where each row's pending taps start.
   """
 
   tokens_bs: jax.Array  # committed tokens (prompt included), junk past lengths_b
@@ -82,6 +112,7 @@ class DecodeState:
 
   @property
   def done_b(self) -> jax.Array:
+    """Which rows have stopped."""
     return self.stop_b != RUNNING
 
   @property

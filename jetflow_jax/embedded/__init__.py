@@ -17,7 +17,11 @@ HEAD_DIRS = {"jetflow": os.path.join(CHECKPOINTS_DIR, "head_jetflow"),
 
 
 def default_target() -> str:
-  """The embedded target's directory; a clear error if it is not there."""
+  """The embedded target's directory (`load_qwen3` takes it).
+
+  Raises:
+    CheckpointError: the target is not built (`scripts/build_embedded.sh` builds it).
+  """
   if not os.path.isfile(os.path.join(TARGET_DIR, "config.json")):
     raise CheckpointError("no --checkpoint given and the embedded default target is not built "
                           f"(expected {TARGET_DIR}; scripts/build_embedded.sh builds it)")
@@ -25,6 +29,7 @@ def default_target() -> str:
 
 
 def default_head(kind: str) -> str | None:
-  """The embedded `jetflow` (causal) or `dflash` (bidirectional) head, or None if not built."""
+  """The embedded `jetflow` (causal) or `dflash` (bidirectional) head's directory (`load_head`
+  takes it), or None if it is not built."""
   path = HEAD_DIRS[kind]
   return path if os.path.isfile(os.path.join(path, "config.json")) else None

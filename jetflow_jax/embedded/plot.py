@@ -1,12 +1,12 @@
 """Curves of the embedded pair: the target's pre-training, and the two heads' training.
 
   python -m jetflow_jax.embedded.plot runs/embedded/pretrain [runs/embedded/pretrain2 ...] \
-      docs/embedded_pretraining.png
+      docs/figures/embedded_pretraining.png
   python -m jetflow_jax.embedded.plot --heads runs/embedded/head_jetflow \
-      runs/embedded/head_dflash docs/embedded_heads.png
+      runs/embedded/head_dflash docs/figures/embedded_heads.png
   python -m jetflow_jax.embedded.plot --rollouts runs/embedded/unlikelihood \
       runs/embedded/teacher,runs/embedded/teacher2 \
-      docs/target_rollout_finetune.png
+      docs/figures/target_rollout_finetune.png
 """
 
 from __future__ import annotations

@@ -46,7 +46,20 @@ from jetflow_jax.sampling import RowSampling, Sampler, make_sampler
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """One prompt (token ids) and how to continue it; temperature 0 is greedy."""
+  """One prompt (token ids) and how to continue it; temperature 0 is greedy.
+
+  Attributes:
+    prompt: the prompt's token ids.
+    max_tokens: the most tokens to generate (stop token included).
+    temperature: 0 for greedy, else sampled from the target's distribution at it.
+    top_k: keep the k likeliest tokens; 0: all.
+    top_p: nucleus mass; 1.0: all.
+    seed: the request's key (its tokens depend on it alone, not on its slot or neighbours).
+    stop_tokens: the tokens that end it; None: the target config's EOS ids.
+    logprobs: the target's log-probabilities of each generated token, and this many likeliest
+      alternatives (at most the engine's `top_logprobs`); None: none.
+    prompt_logprobs: the same for every prompt token after the first.
+  """
 
   prompt: Sequence[int]
   max_tokens: int
@@ -62,6 +75,7 @@ class Request:
 
   @property
   def sampler(self) -> Sampler:
+    """`Greedy()` or the `Sampling` its settings make."""
     return make_sampler(self.temperature, self.top_k, self.top_p)
 
 
@@ -201,6 +215,28 @@ class Engine:
   of them, each compiled apart; its rounds then predict every budget's tokens. With
   `mesh`, `target_params` sit where `mesh.param_shardings` says and the slots (a multiple of
   its `data` size) split over `data`; a prefill runs on every copy of the target.
+
+  Most code builds one with `make_engine` and drives it with an `Orchestrator`.
+
+  Args:
+    target_params: the target's params.
+    config: the target's config.
+    drafter: the `Drafter` (`NoDrafter` for AR).
+    drafter_params: its params.
+    tree_shape: the tree a round verifies (with a ladder: its largest budget).
+    num_slots: requests decoded at once.
+    max_context: tokens a slot holds, prompt and generated.
+    rounds_per_step: rounds a `step` runs before handing back tokens.
+    max_stop_tokens: the most stop tokens a request may have.
+    top_logprobs: the most alternatives a request's log-probabilities may ask for.
+    impl: the attention path (`xla`, `pallas`, `pallas_tpu`).
+    ladder: budgets a step may run at, from AR (1) up to `tree_shape.budget`; () for one.
+    mesh: a `DecodeMesh`, or None.
+
+  Raises:
+    InputError: a ladder without a tree of its largest budget, fewer than one slot or round,
+      a context under 2, slots that do not split over the mesh, or a tree the drafter cannot
+      give.
   """
 
   def __init__(self, target_params, config: Qwen3Config, drafter: Drafter = NoDrafter(),
@@ -230,7 +266,11 @@ class Engine:
 
   def spec(self, budget: int | None = None, *, sampled: bool = True, filtered: bool = True,
            logprobs: bool = False) -> RoundSpec:
-    """The round a step runs at `budget` (a ladder value; None: `tree_shape`'s)."""
+    """The round a step runs at `budget` (a ladder value; None: `tree_shape`'s).
+
+    Raises:
+      InputError: a budget not on the ladder.
+    """
     shape = self.tree_shape
     if budget is not None and budget != shape.budget:
       if budget not in self.ladder:
@@ -250,7 +290,16 @@ class Engine:
                       ladder=len(self.ladder), mesh=self.mesh)
 
   def check(self, request: Request) -> tuple[int, ...]:
-    """Raises InputError naming what does not fit; returns the request's stop ids."""
+    """Checks `request` against this engine.
+
+    Returns:
+      The request's stop ids.
+
+    Raises:
+      InputError: naming what does not fit (an empty prompt, ids outside the vocabulary,
+        `max_tokens` < 1 or beyond the context, bad sampling settings, log-probabilities,
+        seed or stop tokens out of range).
+    """
     prompt = np.asarray(request.prompt)
     if prompt.ndim != 1 or prompt.size == 0:
       raise InputError("a request needs a prompt of at least one token id")
@@ -274,7 +323,11 @@ class Engine:
 
   def prefill(self, request: Request) -> DecodeState:
     """The request's prompt through the target, its first token drawn: a row of its own, to
-    `insert` into a slot; nothing else changes."""
+    `insert` into a slot; nothing else changes.
+
+    Raises:
+      InputError: what `check` refuses.
+    """
     stop = self.check(request)
     length = len(request.prompt)
     prompt_bt = np.zeros((1, bucket_length(length, self.max_context)), np.int32)
@@ -294,9 +347,14 @@ class Engine:
   def step(self, state: EngineState, budget: int | None = None, *, sampled: bool = True,
            filtered: bool = True, logprobs: bool = False) -> tuple[EngineState, StepOutput]:
     """`rounds_per_step` rounds at `budget` over every slot (the state is donated).
+
     `sampled=False` or `filtered=False` promise that no running request samples or filters
     (`sampling.sampling_flags`), `logprobs=False` that none wants log-probabilities: cheaper
-    variants, compiled apart."""
+    variants, compiled apart.
+
+    Returns:
+      `(state, output)`: the next state and the `StepOutput` (only the new tokens).
+    """
     spec = self.spec(budget, sampled=sampled, filtered=filtered, logprobs=logprobs)
     return step(self.target_params, self.drafter_params, state, spec=spec,
                 rounds=self.rounds_per_step)
@@ -311,10 +369,30 @@ def make_engine(target_params, target_config: Qwen3Config, head_params=None,
                 budget: int | str = DEFAULT_BUDGET, top_k: int = DEFAULT_TOP_K,
                 max_budget: int = 256, attention: str = "xla",
                 warn: Callable[[str], None] = print, **options) -> Engine:
-  """An engine running `method` (ar, dflash, ddtree, jetflow) as `speculative_generate` does;
-  `budget="auto"` gives ddtree and jetflow the ladder up to `max_budget`, one budget chosen
-  every step by its host loop. `options` (num_slots, max_context, rounds_per_step,
-  max_stop_tokens, top_logprobs, mesh) go to `Engine`."""
+  """An engine running `method` (ar, dflash, ddtree, jetflow) as `speculative_generate` does.
+
+  Args:
+    target_params: the target's params.
+    target_config: the target's config.
+    head_params: the draft head's params (None for ar).
+    head_config: its config (None for ar).
+    method: `ar`, `dflash`, `ddtree` or `jetflow`.
+    budget: tree nodes a round verifies; `"auto"` gives ddtree and jetflow the ladder up to
+      `max_budget`, one budget chosen every step by its host loop.
+    top_k: candidate children per depth.
+    max_budget: the top of the ladder with `budget="auto"`.
+    attention: `xla`, `pallas` or `pallas_tpu`.
+    warn: how the ablation warning is given (a head of the other kind).
+    **options: `num_slots`, `max_context`, `rounds_per_step`, `max_stop_tokens`,
+      `top_logprobs`, `mesh`: they go to `Engine`.
+
+  Returns:
+    The `Engine`.
+
+  Raises:
+    InputError: what `drafter_for` and `Engine` refuse.
+    ConfigError: a head that does not fit the target.
+  """
   drafter = drafter_for(method, target_config, head_params, head_config, attention, warn)
   fixed = max_budget if budget == "auto" else budget
   ladder = budget_ladder(fixed) if budget == "auto" and method in ("ddtree", "jetflow") else ()

@@ -26,7 +26,24 @@ from jetflow_jax.sampling import sampling_flags
 
 @dataclasses.dataclass(eq=False)
 class Stream:
-  """One submitted request: its tokens so far, and how it ended (None while it runs)."""
+  """One submitted request: its tokens so far, and how it ended (None while it runs).
+
+  `Orchestrator.submit` returns it and fills it as the request runs.
+
+  Attributes:
+    request: the `Request`.
+    stop_tokens: its stop ids.
+    on_tokens: called with each new piece of tokens.
+    tokens: the tokens so far.
+    finish_reason: the `StopReason` it ended with; None while it runs.
+    rounds: speculative rounds it took part in (the prefill's token excluded).
+    cancelled: `cancel()` was called.
+    logprobs: with `request.logprobs`, each token's log-probability under the target.
+    top_logprobs: and its `request.logprobs` likeliest (token, log-probability) pairs.
+    prompt_logprobs: with `request.prompt_logprobs`, the same for the prompt's tokens (None
+      for the first).
+    prompt_top_logprobs: their likeliest pairs.
+  """
 
   request: Request
   stop_tokens: tuple[int, ...]
@@ -46,6 +63,7 @@ class Stream:
 
   @property
   def finished(self) -> bool:
+    """Whether it has ended."""
     return self.finish_reason is not None
 
   def cancel(self) -> None:
@@ -60,6 +78,12 @@ class Orchestrator:
   budget), else `budgets.step_seconds` reads them from the cost table or measures them now
   (compiling every step variant; `log` hears how long it took). `schedule` (ladder budgets,
   one step each, in turn) replaces the choice.
+
+  Args:
+    engine: the `Engine` it drives.
+    seconds_l: with a ladder, each budget's step time; None reads or measures them.
+    schedule: with a ladder, budgets to run in turn, one step each, instead of choosing.
+    log: hears how long measuring the step times took.
   """
 
   def __init__(self, engine: Engine, *, seconds_l: Sequence[float] | None = None,
@@ -83,13 +107,25 @@ class Orchestrator:
 
   def submit(self, request: Request,
              on_tokens: Callable[[list[int]], None] | None = None) -> Stream:
-    """Queues `request` (InputError now if it cannot fit a slot); its stream fills as it runs."""
+    """Queues `request`; its stream fills as it runs.
+
+    Args:
+      request: the `Request`.
+      on_tokens: called with each new piece of its tokens.
+
+    Returns:
+      Its `Stream`.
+
+    Raises:
+      InputError: the request cannot fit a slot (`Engine.check`).
+    """
     stream = Stream(request, self.engine.check(request), on_tokens)
     self.waiting.append(stream)
     return stream
 
   @property
   def busy(self) -> bool:
+    """Whether anything is waiting, running or unread."""
     return bool(self.waiting) or any(self.slots) or self._pending is not None
 
   def step(self) -> bool:

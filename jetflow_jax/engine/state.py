@@ -15,7 +15,12 @@ from jetflow_jax.decoding.state import DecodeState
 @flax.struct.dataclass
 class EngineState:
   """Every slot's decoding state (the rows a round runs over, each with its request's settings)
-  and what the host has read of it. A free slot is a row stopped as cancelled."""
+  and what the host has read of it. A free slot is a row stopped as cancelled.
+
+  Attributes:
+    rows: the slots' `DecodeState`, one row per slot.
+    reported_b: each slot's tokens already handed to the host (prompt included).
+  """
 
   rows: DecodeState
   reported_b: jax.Array  # each slot's tokens already handed to the host (prompt included)
@@ -23,7 +28,20 @@ class EngineState:
 
 @flax.struct.dataclass
 class StepOutput:
-  """What the host reads back after a step: small arrays, no cache."""
+  """What the host reads back after a step: small arrays, no cache.
+
+  Attributes:
+    new_bw: each slot's tokens since its last report, left-aligned; junk past `num_new_b`.
+    num_new_b: how many there are.
+    stop_b: each slot's `StopReason.code` (0 while it decodes).
+    rounds_b: rounds each slot's request has taken part in.
+    logprobs_bw: with a step's `logprobs`, the new tokens' log-probabilities; None without.
+    top_ids_bwx: their likeliest alternatives.
+    top_logprobs_bwx: the alternatives' log-probabilities.
+    predicted_brl: with a budget ladder, each round's `DecodeState.predicted_bl`; None without.
+    committed_br: with a budget ladder, each slot's committed tokens a round (-1 where the slot
+      was done); None without.
+  """
 
   new_bw: jax.Array  # each slot's tokens since its last report, left-aligned; junk past num_new_b
   num_new_b: jax.Array

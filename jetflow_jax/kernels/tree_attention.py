@@ -83,6 +83,12 @@ def tree_attention(q_btnh: jax.Array, k_cache_bskh: jax.Array, v_cache_bskh: jax
   arguments after `impl` tune them only: block_kv both (None: each kernel's default, see
   `tree_attention_pallas` and `tree_attention_tpu`), the rest Triton's. `interpret=True` runs
   either kernel on CPU; the TPU one also takes a `pltpu.InterpretParams` (the TPU interpreter).
+
+  Returns:
+    `[B, T, N, H]` in q's dtype.
+
+  Raises:
+    ValueError: query heads that do not group onto the kv heads, or an unknown `impl`.
   """
   if q_btnh.shape[2] % k_cache_bskh.shape[2]:
     raise ValueError(f"{q_btnh.shape[2]} query heads do not group onto "

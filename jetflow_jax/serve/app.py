@@ -133,6 +133,19 @@ def create_app(engine: Engine, tokenizer, model_name: str | Sequence[str], *,
   `guard.default_max_request_bytes` of the engine's context) is a 413. A request not done
   `request_timeout` seconds after it arrived is ended (504, or an error event) and its slots
   freed.
+
+  Args:
+    engine: the `Engine` to serve (`make_engine`).
+    tokenizer: the target's transformers tokenizer (text prompts, chat, stop strings), or None
+      for token ids only.
+    model_name: the name `/v1/models` lists, or several names.
+    warm_up: compile every variant before taking requests; None reads $JETFLOW_WARM_UP.
+    api_keys: bearer tokens the /v1 routes accept; () for none needed.
+    max_request_bytes: the largest request body; None for the default.
+    request_timeout: seconds a request may take; None for no limit.
+
+  Returns:
+    The FastAPI app (`Server` runs it).
   """
   compile_cache.enable()
   names = [model_name] if isinstance(model_name, str) else list(model_name)

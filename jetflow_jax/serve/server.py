@@ -39,7 +39,17 @@ def grace_seconds() -> float:
 class Server(uvicorn.Server):
   """uvicorn for an app of `create_app`: a shutdown signal turns new requests away (503) while
   it still listens, lets running ones finish for `grace_s` seconds, then cuts those left with
-  an error (a 503, or an error event ending the stream) and closes."""
+  an error (a 503, or an error event ending the stream) and closes.
+
+  Args:
+    app: the app `create_app` made.
+    host: the address to listen on.
+    port: the port.
+    grace_s: the shutdown grace; None reads $JETFLOW_SHUTDOWN_GRACE_S (default 20 s).
+
+  Raises:
+    InputError: a $JETFLOW_SHUTDOWN_GRACE_S that is not a number of seconds >= 0.
+  """
 
   def __init__(self, app: FastAPI, host: str, port: int, grace_s: float | None = None):
     super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",

@@ -109,6 +109,12 @@ class Service:
 
   With `warm_up`, the thread first compiles every variant (see the module's docstring),
   reporting each to `log`; without, a request that needs a new program compiles it.
+
+  Args:
+    engine: the `Engine` it runs (only its thread touches it).
+    metrics: the Prometheus metrics it updates.
+    warm_up: compile every variant a request can reach before taking one.
+    log: hears the warm-up's progress.
   """
 
   def __init__(self, engine: Engine, metrics: Metrics, warm_up: bool = True,
@@ -137,10 +143,19 @@ class Service:
 
   @property
   def available(self) -> bool:
+    """Whether it takes requests (running, not draining, not failed)."""
     return self._thread.is_alive() and not self.draining and self.error is None
 
   def submit(self, request: Request) -> Job:
-    """Queues `request`; InputError now if it cannot fit, Unavailable if none are taken."""
+    """Queues `request` from the event loop.
+
+    Returns:
+      Its job, whose events (tokens, done, error) arrive on the event loop.
+
+    Raises:
+      InputError: the request cannot fit a slot.
+      Unavailable: the service takes no requests (shutting down, or the engine failed).
+    """
     if not self.available:
       raise Unavailable(self.error or "the server is shutting down")
     self.engine.check(request)

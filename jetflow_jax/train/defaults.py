@@ -8,6 +8,9 @@ from jetflow_jax.head_config import QWEN3_MASK_TOKEN_ID
 
 
 def base_config() -> ml_collections.ConfigDict:
+  """Every field of a training config, with the reference's defaults; each `configs/*.py`
+  file's `get_config` starts from it. Any field can be set on the command line
+  (`--config.train.lr=1e-4`)."""
   c = ml_collections.ConfigDict()
 
   c.target = ml_collections.ConfigDict()

@@ -118,7 +118,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains the draft head described by `config`; returns the last logged metrics.
 
   Every process of a multi-process job calls this with the same arguments. A SIGTERM
-  ends the run after the current step with a checkpoint (`"preempted": True`).
+  ends the run after the current step with a checkpoint (`"preempted": True`). Rerunning the
+  same call resumes from the workdir's latest checkpoint to the parameters an uninterrupted
+  run reaches.
+
+  Args:
+    config: a training config (`train.defaults.base_config` and a `configs/*.py` file's
+      `get_config`).
+    workdir: checkpoints, metrics, the packing plan, the store (by default) and at the end
+      `hf_head/`, the head in the reference layout.
+
+  Returns:
+    The last logged metrics (loss, learning rate, grad norm, per-depth agreement, ...).
+
+  Raises:
+    ConfigError: a config that does not fit the target, or a workdir made for another head.
+    InputError: data or a mesh the run cannot take.
+    CheckpointError: a target or data path that cannot be read.
+    TrainingError: a non-finite loss (the last checkpoint is left intact).
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
   main = distributed.is_main_process()

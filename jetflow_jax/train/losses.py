@@ -23,7 +23,18 @@ def kl_divergence(p_logits, q_logits, temperature: float = 1.0):
 
 
 def per_depth_loss(kind: str, draft_logits, teacher_logits, labels, temperature: float = 1.0):
-  """`[..., depth]` losses: forward KL (teacher || draft), reverse KL, or hard-label CE."""
+  """`[..., depth]` losses: forward KL (teacher || draft), reverse KL, or hard-label CE.
+
+  Args:
+    kind: `forward_kl`, `reverse_kl` or `cross_entropy`.
+    draft_logits: `[..., depth, V]` the head's logits.
+    teacher_logits: `[..., depth, V]` the target's logits at the same positions.
+    labels: `[..., depth]` the tokens (cross-entropy only).
+    temperature: the KL temperature (scaled by T^2).
+
+  Raises:
+    ValueError: an unknown kind.
+  """
   if kind == "forward_kl":
     return kl_divergence(teacher_logits, draft_logits, temperature)
   if kind == "reverse_kl":

@@ -102,7 +102,17 @@ def _pack_epochs(orders: list[np.ndarray], sizes: np.ndarray, seq_len: int,
 def make_plan(lengths: np.ndarray, prompt_lengths: np.ndarray, *, seq_len: int, epochs: int,
               seed: int, pack: bool, open_rows: int = OPEN_ROWS, source: dict | None = None
               ) -> PackingPlan:
-  """The plan for `epochs` epochs of the records with these lengths."""
+  """The plan for `epochs` epochs of the records with these lengths.
+
+  Each epoch shuffles the usable records (seeded by `seed` and the epoch); with `pack`, each
+  row is filled first-fit with as many whole samples as fit, else one sample a row.
+
+  Returns:
+    The `PackingPlan`: row r holds samples `samples[row_starts[r]:row_starts[r + 1]]`.
+
+  Raises:
+    InputError: no record has a response within `seq_len`.
+  """
   usable = usable_samples(lengths, prompt_lengths, seq_len)
   if not len(usable):
     raise InputError(f"no record has a response within seq_len={seq_len} "

@@ -101,6 +101,10 @@ def regenerate(records: Sequence[dict[str, Any]], store_dir: str,
   `make_generator()` returns a generator of `regenerate_backends`; it is called only when
   something is left to regenerate (a finished shard loads no target). Every group of records
   it finishes is committed at once. Prompts longer than `max_prompt_len` tokens are skipped.
+  Rerunning the same call resumes the shard where it stopped.
+
+  Raises:
+    InputError: `store_dir` is a file, or a record is malformed (named by its id).
   """
   if os.path.isfile(store_dir):
     raise InputError(f"the regeneration output must be a token store directory; {store_dir} is "

@@ -22,6 +22,15 @@ from jetflow_jax.train.losses import depth_sums, depth_weights, mean_of_sums
 
 @flax.struct.dataclass
 class TrainState:
+  """What a train step carries: a pytree, donated to the jitted step.
+
+  Attributes:
+    step: int32 scalar, the number of steps taken (the data position, and the key of the
+      step's randomness).
+    head_params: the head's params (float32 master weights).
+    opt_state: the optimizer's state.
+  """
+
   step: jax.Array
   head_params: Any
   opt_state: Any
@@ -29,6 +38,22 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
+  """How the distillation loss is computed (`train.loop.loss_config` reads it from a config's
+  `train` fields).
+
+  Attributes:
+    kind: `forward_kl`, `reverse_kl` or `cross_entropy`.
+    temperature: the KL temperature (losses scaled by T^2).
+    depth_gamma: > 0 weighs depth k by exp(-(k-1)/gamma); <= 0: every depth the same.
+    num_anchors: anchors drawn per sequence.
+    chunk_anchors: anchors whose vocabulary-wide logits exist at once; 0: all.
+    head_dtype: the head's compute dtype.
+    head_attention: `split`, `dense` or `pallas`: how the head applies the training mask.
+    attention_chunk_anchors: with `split`, anchors whose attention scores exist at once; 0: all.
+    remat: `none`, `full` or `dots`: recompute the head's layers in the backward pass.
+    target_experts: an MoE target's grouped matmuls in the frozen pass (`blocked`, `ragged`).
+  """
+
   kind: str = "forward_kl"
   temperature: float = 1.0
   depth_gamma: float = 0.0  # <= 0: every depth weighs the same
@@ -206,8 +231,18 @@ def make_loss_fn(head_config: HeadConfig, target_config: Qwen3Config,
                  loss: LossConfig, layout: Layout = Layout()) -> DistillLoss:
   """`loss_fn(head_params, target_params, tokens_bt, loss_mask_bt, rng[, segment_ids_bt])`.
 
-  Returns (loss, aux). Only `head_params` is meant to be differentiated; the target is frozen.
-  `layout` (`train.sharding.activation_layout(mesh)`) pins the activations to a mesh.
+  Only `head_params` is meant to be differentiated; the target is frozen.
+
+  Args:
+    head_config: the head's config.
+    target_config: the target's config.
+    loss: the `LossConfig`.
+    layout: `train.sharding.activation_layout(mesh)` pins the activations to a mesh; the
+      default leaves placement to XLA.
+
+  Returns:
+    The loss function (a `DistillLoss`), which returns `(loss, aux)`: aux holds per-depth
+    means (`loss_k`, `agreement_k`), `forward_kl` and `num_predictions`.
   """
   return DistillLoss(head_config, target_config, loss, layout)
 
@@ -216,11 +251,20 @@ def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformatio
                     schedule: Callable, seed: int) -> Callable:
   """`train_step(state, target_params, tokens_bt, loss_mask_bt[, segment_ids_bt])`, unjitted.
 
-  Returns (state, metrics). The optimizer state covers the head's trainable params only
-  (`optimizer.init(head.split_frozen(params)[0])`).
+  The step returns `(state, metrics)`: the next `TrainState` and the loss, learning rate,
+  grad norm and the loss function's aux. The optimizer state covers the head's trainable
+  params only (`optimizer.init(head.split_frozen(params)[0])`). The step's randomness (anchor
+  sampling) is `fold_in(seed, step)`, so a resumed run draws exactly what an uninterrupted one
+  would.
 
-  The step's randomness (anchor sampling) is `fold_in(seed, step)`, so a
-  resumed run draws exactly what an uninterrupted one would.
+  Args:
+    loss_fn: from `make_loss_fn`.
+    optimizer: the optax transformation (`make_optimizer`).
+    schedule: the learning rate by step, for the metrics.
+    seed: the run's seed.
+
+  Returns:
+    The step function, to `jax.jit` (with `donate_argnames=("state",)`).
   """
 
   def train_step(state: TrainState, target_params, tokens_bt, loss_mask_bt, segment_ids_bt=None):
@@ -243,7 +287,21 @@ def make_train_step(loss_fn: DistillLoss, optimizer: optax.GradientTransformatio
 
 def make_optimizer(lr: float, b1: float, b2: float, weight_decay: float, grad_clip: float,
                    total_steps: int, warmup_frac: float, final_lr_frac: float):
-  """AdamW with linear warmup then cosine decay to `final_lr_frac * lr`; global-norm clipping."""
+  """AdamW with linear warmup then cosine decay to `final_lr_frac * lr`; global-norm clipping.
+
+  Args:
+    lr: the peak learning rate.
+    b1: Adam's beta1.
+    b2: Adam's beta2.
+    weight_decay: AdamW's decoupled weight decay.
+    grad_clip: the global gradient norm clipped to.
+    total_steps: the schedule's length.
+    warmup_frac: the share of steps warming up linearly from 0.
+    final_lr_frac: where the cosine ends, as a fraction of `lr`.
+
+  Returns:
+    `(optimizer, schedule)`: the optax transformation and the learning rate by step.
+  """
   warmup = int(round(warmup_frac * total_steps))
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=lr, warmup_steps=warmup,

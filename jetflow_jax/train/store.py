@@ -174,7 +174,15 @@ class ShardWriter:
 
 
 class TokenStore:
-  """A store's complete shards, memory-mapped; record i is the i-th in source order."""
+  """A store's complete shards, memory-mapped; record i is the i-th in source order.
+
+  Args:
+    directory: the store (written by regeneration, or `convert_jsonl`).
+
+  Raises:
+    InputError: no such directory, not a token store, another format version, or a missing,
+      incomplete or torn shard (named).
+  """
 
   def __init__(self, directory: str):
     self.directory = directory
@@ -267,7 +275,14 @@ def _jsonl_record(line: bytes, where: str) -> tuple[str | None, np.ndarray, np.n
 
 def convert_jsonl(jsonl_path: str, out_dir: str, batch_records: int = 4096) -> TokenStore:
   """Writes a one-shard store from a regenerated JSONL (`{"id", "prompt_ids", "response_ids"}`
-  per line), with a progress bar. Nothing is left at `out_dir` unless every line converts."""
+  per line), with a progress bar. Nothing is left at `out_dir` unless every line converts.
+
+  Returns:
+    The new store, opened.
+
+  Raises:
+    InputError: no such file, or a line that is not a regenerated record (named).
+  """
   if not os.path.isfile(jsonl_path):
     raise InputError(f"data file not found: {jsonl_path}")
   stat = os.stat(jsonl_path)
