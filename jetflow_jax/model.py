@@ -15,7 +15,6 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from jetflow_jax.attention import AttentionImpl, apply_rope, attention, cached_attention
@@ -23,7 +22,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
 from jetflow_jax.kernels.tree_attention import causal_attention
 from jetflow_jax.moe import ExpertsImpl, MoE
-from jetflow_jax.partitioning import KernelLayout, Layout, kernel_layout
+from jetflow_jax.partitioning import Layout
 
 Dtype = Any
 
@@ -74,86 +73,20 @@ def write_rows(buffer_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) 
   return jax.vmap(write)(buffer_bskh, new_btkh.astype(buffer_bskh.dtype), start_b)
 
 
-# How a projection's kernel is stored: "in_out", `[*inputs, *outputs]` (Flax's: training, and
-# what checkpoints load as), or "out_in", `[*outputs, *inputs]` (HF's). The math is the same;
-# XLA's CPU matmuls over a few rows (an AR step, a draft block, a 16-node verify) run up to
-# 2-3x faster from "out_in" (`with_kernel_layout` converts a tree; `kernel_layout` reads it).
-_PROJECTIONS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
-                "up_proj": 1, "down_proj": 1, "lm_head": 1, "fc": 1}  # -> input axes
-
-
-class OutInDense(nn.Module):
-  """`nn.DenseGeneral` over the last `in_axes` axes of x, no bias, its kernel stored
-  `[*features, *inputs]`; `float32_out` accumulates into and returns float32 (the LM head)."""
-
-  features: int | tuple[int, ...]
-  in_axes: int = 1
-  dtype: Dtype = jnp.float32
-  float32_out: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-    inputs = x.shape[x.ndim - self.in_axes:]
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (*features, *inputs))
-    contract = (tuple(range(x.ndim - self.in_axes, x.ndim)),
-                tuple(range(len(features), kernel.ndim)))
-    return jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())),
-                               preferred_element_type=jnp.float32 if self.float32_out else None)
-
-
-def projection(layout: KernelLayout, dtype: Dtype, features, in_axes: int = 1, **options):
-  """A projection module in `layout` (Flax's own modules for "in_out")."""
-  if layout == "out_in":
-    return OutInDense(features, in_axes, dtype, **options)
-  if in_axes == 1 and isinstance(features, int):
-    return nn.Dense(features, use_bias=False, dtype=dtype,
-                    **({"dot_general": _float32_out} if options.get("float32_out") else {}))
-  return nn.DenseGeneral(features, axis=tuple(range(-in_axes, 0)), use_bias=False, dtype=dtype)
-
-
-def _out_in_order(name: str, ndim: int) -> tuple[int, ...]:
-  """The axis order taking a projection's "in_out" kernel to its "out_in" one."""
-  inputs = _PROJECTIONS[name]
-  return tuple(range(inputs, ndim)) + tuple(range(inputs))
-
-
-def with_kernel_layout(params, layout: KernelLayout):
-  """`params` (a target's, or a head's) with every projection kernel stored in `layout`; other
-  leaves as they are. Consumes `params`: leaf by leaf, each kernel is donated to its own
-  jitted transpose, so only one leaf is ever held twice (use the returned tree)."""
-  def convert(path, x):
-    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
-    if len(names) < 2 or names[-1] != "kernel" or names[-2] not in _PROJECTIONS:
-      return x
-    order = _out_in_order(names[-2], x.ndim)
-    if layout == "in_out":
-      order = tuple(int(i) for i in np.argsort(order))
-    return _transpose(x, order)
-  current = kernel_layout(params)
-  return params if current == layout else jax.tree_util.tree_map_with_path(convert, params)
-
-
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
-def _transpose(x, order):
-  return jnp.transpose(x, order)
-
-
 class Attention(nn.Module):
   """Qwen3 attention: q/k RMSNorm over head_dim, RoPE, grouped KV heads."""
 
   config: Qwen3Config
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
-  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
-    dense = functools.partial(projection, self.layout, self.dtype)
+    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype)
     self.q_proj = dense((c.num_attention_heads, c.head_dim))
     self.k_proj = dense((c.num_key_value_heads, c.head_dim))
     self.v_proj = dense((c.num_key_value_heads, c.head_dim))
-    self.o_proj = dense(c.hidden_size, in_axes=2)
+    self.o_proj = dense(c.hidden_size, axis=(-2, -1))
     self.q_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     self.k_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
 
@@ -203,15 +136,13 @@ class MLP(nn.Module):
   hidden_size: int
   intermediate_size: int
   dtype: Dtype = jnp.float32
-  layout: KernelLayout = "in_out"
 
-  def setup(self):
-    self.gate_proj = projection(self.layout, self.dtype, self.intermediate_size)
-    self.up_proj = projection(self.layout, self.dtype, self.intermediate_size)
-    self.down_proj = projection(self.layout, self.dtype, self.hidden_size)
-
+  @nn.compact
   def __call__(self, x_btd):
-    return self.down_proj(nn.silu(self.gate_proj(x_btd)) * self.up_proj(x_btd))
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
+    gate = dense(self.intermediate_size, name="gate_proj")(x_btd)
+    up = dense(self.intermediate_size, name="up_proj")(x_btd)
+    return dense(self.hidden_size, name="down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -223,17 +154,16 @@ class DecoderLayer(nn.Module):
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
   mesh: Mesh | None = None
-  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
     self.input_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl, layout=self.layout)
+    self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl)
     self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    if c.is_moe_layer(self.layer):  # experts stay [E, in, out] in either layout
+    if c.is_moe_layer(self.layer):
       self.mlp = MoE(c, dtype=self.dtype, experts=self.experts, mesh=self.mesh)
     else:
-      self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype, layout=self.layout)
+      self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
 
   def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts, tree_mask_btt=None):
     with jax.named_scope("attention_block"):
@@ -256,17 +186,17 @@ class Qwen3(nn.Module):
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
   mesh: Mesh | None = None  # a decode mesh: MoE layers run their experts per shard
-  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
     self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl, experts=self.experts,
-                                mesh=self.mesh, layout=self.layout)
+                                mesh=self.mesh)
                    for i in range(c.num_hidden_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if not c.tie_word_embeddings:
-      self.lm_head = projection(self.layout, self.dtype, c.vocab_size, float32_out=True)
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype,
+                              dot_general=_float32_out)
 
   def __call__(self, tokens_bt, positions_bt, cache: KVCache | None, cache_index_b, mask_bts,
                tap_layers: Sequence[int] = (), tree_mask_btt=None):
@@ -387,8 +317,7 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   # No mask: attention is causal over slots (the rows' own, without a cache), in blocks only as
   # far as the rows reach.
   dtype = dtype or params_dtype(params)
-  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh,
-                layout=kernel_layout(params))
+  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh)
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers), tree_mask_btt)
 
@@ -426,8 +355,7 @@ def forward_by_layer(params, config: Qwen3Config, tokens_bt, *, positions_bt=Non
   x_btd = layout.rows(embed_tokens(params, config, tokens_bt, dtype))
   taps = {}
   for run in _layer_runs(config, tap_layers):
-    layer = DecoderLayer(config, run.start, dtype=dtype, experts=experts,
-                         layout=kernel_layout(params))
+    layer = DecoderLayer(config, run.start, dtype=dtype, experts=experts)
 
     def step(x_btd, i, run=run, layer=layer):
       pick = [lambda i=i: params[f"layers_{i}"] for i in run]
@@ -458,8 +386,7 @@ def lm_logits(params, config: Qwen3Config, hidden_btd, dtype: Dtype | None = Non
   head, or the embedding when tied; computed in `dtype`, default the params', accumulated in
   float32)."""
   dtype = dtype or params_dtype(params)
-  return Qwen3(config, dtype=dtype, layout=kernel_layout(params)).apply(
-      {"params": params}, hidden_btd, method=Qwen3.logits)
+  return Qwen3(config, dtype=dtype).apply({"params": params}, hidden_btd, method=Qwen3.logits)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,21 +52,6 @@ _PARAM_AXES: dict[tuple[str, str], Axes] = {
     # A draft vocabulary's target ids: every shard maps any drafted id, so kept whole.
     ("draft_vocab", "target_ids"): (None,),
 }
-
-
-# How a projection's kernel is stored: "in_out", `[*inputs, *outputs]` (Flax's: training, and
-# what checkpoints load as; the logical axes above name these), or "out_in", `[*outputs,
-# *inputs]` (HF's; `model.with_kernel_layout` converts a tree).
-KernelLayout = Literal["in_out", "out_in"]
-
-
-def kernel_layout(params) -> KernelLayout:
-  """How a target's or head's projection kernels are stored, read off its first layer: q_proj
-  `[D, N, H]` with o_proj `[N, H, D]` is "in_out"; the reverse orders "out_in" (the two agree
-  only were D = N = H)."""
-  attention = params["layers_0"]["self_attn"]
-  q, o = attention["q_proj"]["kernel"], attention["o_proj"]["kernel"]
-  return "in_out" if tuple(o.shape) == tuple(q.shape[1:]) + tuple(q.shape[:1]) else "out_in"
 
 
 def param_axes(names: Sequence[str], ndim: int) -> Axes:

@@ -32,7 +32,7 @@ measurement here) would raise it above what the chip can do.
 The host CPU has no data sheet here: `host_device()` measures it (`measure_host`, a few
 seconds, kept in a JSON file for the next call): its read bandwidth by a float32 matrix-vector
 product over a matrix far larger than its caches, and its float32 matmul rate at 1, 8, 16, 64
-and 256 rows against such a matrix, the better of its two layouts. Small-row matmuls run far below a CPU's peak, so a CPU
+and 256 rows against such a matrix. Small-row matmuls run far below a CPU's peak, so a CPU
 floor takes the rate at the piece's own row count (`Cost.rows`). XLA's CPU backend computes
 bfloat16 matmuls in float32 (it converts the operands), so there is no bfloat16 rate to measure.
 """
@@ -103,14 +103,10 @@ HOST_ROOFLINE_ENV = "JETFLOW_HOST_ROOFLINE"
 
 
 def measure_host(matrix_bytes: int = 1 << 30, width: int = 2048, repeats: int = 5) -> Device:
-  """The host CPU's floor rates, measured through XLA (jitted, float32, best of `repeats`).
-
-  Read bandwidth: a matrix-vector product over a `matrix_bytes` matrix of `width` columns,
-  either way round (the faster counts). Matmul FLOP/s at each of `HOST_ROWS` rows against a
-  quarter of that matrix (still far past the caches, as a layer's weights are), its inner
-  dimension `width`, stored either way round (XLA's CPU matmuls differ by layout at few rows;
-  the faster counts: the floor is the best this machine does).
-  """
+  """The host CPU's floor rates, measured through XLA (jitted, float32, best of `repeats`):
+  read bandwidth from a matrix-vector product over a `matrix_bytes` matrix of `width` columns,
+  and matmul FLOP/s at each of `HOST_ROWS` rows against a matrix a quarter that size (far past
+  the caches, as a layer's weights are)."""
   import jax
   import jax.numpy as jnp
 
@@ -123,22 +119,19 @@ def measure_host(matrix_bytes: int = 1 << 30, width: int = 2048, repeats: int = 
       times.append(time.perf_counter() - start)
     return min(times)
 
-  outputs = matrix_bytes // (4 * width)
-  out_in = jax.jit(lambda key: jax.random.normal(key, (outputs, width), jnp.float32))(
-      jax.random.key(0))  # [N, K]: each output's weights contiguous
+  rows_total = matrix_bytes // (4 * width)
+  matrix = jax.jit(lambda key: jax.random.normal(key, (rows_total, width), jnp.float32))(
+      jax.random.key(0))
   vector = jnp.ones((width,), jnp.float32)
-  read_s = min(best(jax.jit(lambda m, v: m @ v), out_in, vector),
-               best(jax.jit(lambda m, v: v @ m), out_in, jnp.ones((outputs,), jnp.float32)))
-  out_in = out_in[:outputs // 4]
-  in_out = jnp.asarray(out_in.T)  # [K, N]: each input's weights contiguous
+  bandwidth = matrix_bytes / best(jax.jit(lambda m, v: m @ v), matrix, vector)
+  weights = matrix[:rows_total // 4]  # [K, width]: a quarter, still far past the caches
   rates = []
   for rows in HOST_ROWS:
-    x = jnp.ones((rows, width), jnp.float32)
-    seconds = min(best(jax.jit(lambda a, w: a @ w.T), x, out_in),
-                  best(jax.jit(lambda a, w: a @ w), x, in_out))
-    rates.append((rows, 2.0 * rows * out_in.size / seconds))
-  del out_in, in_out
-  return Device("host CPU", matrix_bytes / read_s, max(f for _, f in rates), tuple(rates))
+    x = jnp.ones((rows, weights.shape[0]), jnp.float32)
+    seconds = best(jax.jit(lambda a, w: a @ w), x, weights)
+    rates.append((rows, 2.0 * rows * weights.size / seconds))
+  del matrix, weights
+  return Device("host CPU", bandwidth, max(f for _, f in rates), tuple(rates))
 
 
 def _host_key() -> dict:

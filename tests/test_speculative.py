@@ -17,7 +17,7 @@ from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head import (append_context, draft_logits, init_head_cache, init_head_params,
                               with_draft_vocab)
 from jetflow_jax.head_config import HeadConfig
-from jetflow_jax.model import KVCache, forward, with_kernel_layout
+from jetflow_jax.model import KVCache, forward
 from jetflow_jax.sampling import Greedy, Sampling
 from jetflow_jax.train.step import (LossConfig, TrainState, make_loss_fn, make_optimizer,
                                     make_train_step)
@@ -143,10 +143,6 @@ def test_draft_vocabulary_drafts_its_tokens_and_stays_lossless(target, trained_h
   np.testing.assert_allclose(draft_logits(small_params, small, params, config, tokens),
                              draft_logits(head_params, head, params, config, tokens)[..., ids],
                              atol=1e-5, rtol=0)
-  small_out_in = with_kernel_layout(jax.tree.map(jnp.copy, small_params), "out_in")
-  assert small_out_in["lm_head"]["kernel"].shape == (40, head.hidden_size)
-  np.testing.assert_allclose(draft_logits(small_out_in, small, params, config, tokens),
-                             draft_logits(small_params, small, params, config, tokens), atol=1e-5)
   for method in ("jetflow", "dflash"):  # the tree and the chain (the head is causal: an ablation)
     result = jetflow_jax.speculative_generate(
         params, config, small_params, small, PROMPTS, 24, method=method, budget=23, top_k=3,
@@ -358,19 +354,3 @@ def test_pallas_attention_gives_the_same_tokens(target, trained_head):
   result = jetflow_jax.speculative_generate(params, config, head_params, head, PROMPTS[:2], 8,
                                             budget=6, top_k=2, stop_tokens=(), attention="pallas")
   assert result.tokens == ar_greedy(config, params, PROMPTS[:2], 8)
-
-
-def test_speculative_decoding_with_out_in_kernels_equals_ar(target, trained_head):
-  """Kernels stored out_in (`model.with_kernel_layout`): the head drafts what it drafted, and
-  decoding stays lossless and accepts as much."""
-  config, params = target
-  head, head_params = trained_head
-  reference = ar_greedy(config, params, PROMPTS, 16)
-  fast, fast_head = (with_kernel_layout(jax.tree.map(jnp.copy, tree), "out_in")
-                     for tree in (params, head_params))
-  tokens = np.array([[5, 17, 3, 88, 40]])
-  np.testing.assert_allclose(draft_logits(fast_head, head, fast, config, tokens),
-                             draft_logits(head_params, head, params, config, tokens), atol=1e-5)
-  result = jetflow_jax.speculative_generate(fast, config, fast_head, head, PROMPTS, 16,
-                                            method="jetflow", budget=16, top_k=3, stop_tokens=())
-  assert result.tokens == reference and result.tau > 1.2
