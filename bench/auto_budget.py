@@ -1,15 +1,28 @@
-"""`--budget auto` against AR and fixed budgets in the device loop, cells alternated.
+"""`--budget auto` against AR and the best fixed budget, side by side, where trees lose and
+where they pay: does the default ever cost a user time?
 
-  python bench/auto_budget.py                        # embedded pair, HumanEval 16 and stdlib
-  python bench/auto_budget.py --budgets 16,64 --repeats 5
+  python bench/auto_budget.py                       # every part below (about an hour here)
+  python bench/auto_budget.py --parts embedded --new-tokens 32,128 --repeats 3
+  python bench/auto_budget.py --parts decode_py     # the five prompts through decode.py
 
-`python -m jetflow_jax.bench` times its cells one after another, so on a noisy machine a
-cell's luck moves its ratio by 10-20%; here every pass runs each cell over the whole prompt
-set in turn (AR, each fixed budget, auto; the order rotated from pass to pass, so each cell
-runs first, second, ...), `--repeats` passes, and each cell's tokens/s is its median. Greedy,
-128 new tokens, the JetFlow head, auto up to the largest fixed budget.
-Prints a table per set (auto / AR and auto / the best fixed budget) and writes
-bench/results/auto_budget.json.
+Parts:
+- `embedded`: the embedded pair (a trained JetFlow head; trees lose on this CPU), through
+  `speculative_generate`, five short code prompts one at a time (batch 1) and together with three
+  repeated (batch 8), at each of `--new-tokens`;
+- `qwen3-0.6b`, `qwen3-1.7b`: real Qwen3 shapes with random float32 weights and the controlled
+  drafter at each of `--taus` (a round commits tau tokens on average; trees pay), through
+  `decode_prompts`, one 64-token random prompt, at each of `--cpu-new-tokens`;
+- `decode_py`: `decode.py --prompt P --json` for each of the five prompts, one process after
+  another (its `speedup` is auto over AR in the same process), the cost table absent before the
+  first and on disk after it.
+
+Cells of a part: AR, each of `--budgets`, auto with its cost table and drafter record absent
+(removed before each run: every run calibrates and starts from a drafter never seen) and auto
+with them present (kept from a first, untimed run). Every pass runs every cell once, in an order
+rotated from pass to pass; a cell's figure is its median tokens/s over `--repeats` passes (wall
+time of decoding, prefill included; compilation, warm-up and calibration excluded, as
+`Generation.wall_s` counts). Every run's tokens are checked against AR's. Writes
+bench/results/auto_budget.json; the engine at 1, 4 and 8 clients is `bench/serve_budgets.py`.
 """
 
 from __future__ import annotations
@@ -19,81 +32,206 @@ import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # before the imports below: measure this checkout, installed or not
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import tqdm  # noqa: E402
 
 from jetflow_jax import embedded, load_head, load_qwen3, speculative_generate  # noqa: E402
-from jetflow_jax.bench.datasets import load_prompts  # noqa: E402
+from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params,  # noqa: E402
+                                            depth_distribution_for_tau)
+from jetflow_jax.decoding import TreeShape, auto, decode_prompts, generate  # noqa: E402
+from jetflow_jax.model import init_params  # noqa: E402
 from jetflow_jax.text import encode_prompt, load_tokenizer  # noqa: E402
 
-SETS = {"humaneval": 16, "stdlib": None}  # prompts of each (None: all)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import step_costs  # noqa: E402
+
+PROMPTS = ("def merge(a, b):", "class Stack:\n    def push(self, x):", "def is_prime(n):",
+           "import os\n\ndef walk(root):", "def parse_args(argv):")
+TABLES_ENV = "JETFLOW_COST_TABLES"
+
+
+class Tables:
+  """The cost tables file of auto's runs: one kept across a part's "present" runs, and a fresh
+  one for each "absent" run (and the process's memo of round times forgotten with it)."""
+
+  def __init__(self, directory: str):
+    self.directory, self.count = directory, 0
+
+  def use(self, kept: bool, scenario: str) -> None:
+    if kept:
+      path = os.path.join(self.directory, f"kept_{scenario}.json")
+    else:
+      self.count += 1
+      path = os.path.join(self.directory, f"absent_{self.count}.json")
+    os.environ[TABLES_ENV] = path
+    auto._seconds.clear()
+
+
+def rotated(cells, repeat):
+  shift = repeat % len(cells)
+  return cells[shift:] + cells[:shift]
+
+
+def measure(scenario: str, cells: dict, repeats: int, tables: Tables, reference) -> dict:
+  """Runs every cell `repeats` times, alternated and rotated; each run returns Generation."""
+  for name, run in cells.items():  # compiles; auto's present table and record
+    tables.use(name != "auto, table absent", scenario)
+    run()
+  rates, chosen = collections.defaultdict(list), collections.defaultdict(collections.Counter)
+  exact = True
+  for repeat in range(repeats):
+    for name in rotated(list(cells), repeat):
+      tables.use(name != "auto, table absent", scenario)
+      result = cells[name]()
+      rates[name].append(result.num_tokens / result.wall_s)
+      chosen[name].update(result.budgets)
+      exact &= result.tokens == reference
+  median = {name: statistics.median(r) for name, r in rates.items()}
+  best = max(v for k, v in median.items() if not k.startswith("auto"))
+  return {"tokens_per_s": median, "runs": rates, "identical_to_ar": exact,
+          "best_fixed_or_ar": best,
+          **{f"{k} / best": median[k] / best for k in median if k.startswith("auto")},
+          "auto_rounds": {k: {str(n): c for n, c in sorted(v.items())} for k, v in chosen.items()
+                          if k.startswith("auto")}}
+
+
+def embedded_part(args, tables: Tables) -> dict:
+  config, params = load_qwen3(embedded.default_target())
+  head_config, head_params = load_head(embedded.default_head("jetflow"))
+  tokenizer = load_tokenizer(embedded.default_target())
+  ids = [encode_prompt(tokenizer, p, False) for p in PROMPTS]
+  out = {}
+  for batch in args.batches:
+    for new_tokens in args.new_tokens:
+      groups = [[p] for p in ids] if batch == 1 else [(ids * batch)[:batch]]
+
+      def cell(method, budget):
+        def run():
+          results = [speculative_generate(
+              params, config, head_params, head_config, prompts, new_tokens, method=method,
+              budget=budget, max_budget=max(args.budgets), warmup=True, warn=lambda _: None)
+              for prompts in groups]
+          return Merged(results)
+        return run
+
+      cells = {"AR": cell("ar", 1), **{f"JetFlow {b}": cell("jetflow", b) for b in args.budgets},
+               "auto, table absent": cell("jetflow", "auto"),
+               "auto, table present": cell("jetflow", "auto")}
+      reference = cells["AR"]().tokens
+      name = f"embedded b{batch} n{new_tokens}"
+      out[name] = measure(name, cells, args.repeats, tables, reference)
+      print(row(name, out[name]), flush=True)
+  return out
+
+
+class Merged:
+  """Several runs' results read as one: tokens appended, walls added."""
+
+  def __init__(self, results):
+    self.tokens = [t for r in results for t in r.tokens]
+    self.num_tokens = sum(r.num_tokens for r in results)
+    self.wall_s = sum(r.wall_s for r in results)
+    self.budgets = [b for r in results for b in r.budgets]
+
+
+def controlled_part(args, tables: Tables, preset: str) -> dict:
+  config = step_costs.PRESETS[preset].config
+  params = jax.block_until_ready(jax.jit(init_params, static_argnums=(0,))(
+      config, jax.random.key(0)))
+  prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
+  drafter = ControlledDrafter(depth=15)
+  out = {}
+  for new_tokens in args.cpu_new_tokens:
+    ar = generate(params, config, prompt, new_tokens, stop_tokens=())
+    reference = [p + t for p, t in zip(prompt, ar.tokens)]
+    for tau in args.taus:
+      drafter_params = controlled_params(reference, depth_distribution_for_tau(tau, 15))
+
+      def cell(budget, auto_on=False):
+        return lambda: decode_prompts(
+            params, config, drafter, drafter_params, prompt, new_tokens,
+            tree_shape=TreeShape("top_n", max(args.budgets) if auto_on else budget, 7),
+            stop_tokens=(), auto=auto_on, warmup=True)
+
+      cells = {"AR": lambda: generate(params, config, prompt, new_tokens, stop_tokens=(),
+                                      warmup=True),
+               **{f"JetFlow {b}": cell(b) for b in args.budgets},
+               "auto, table absent": cell(None, True), "auto, table present": cell(None, True)}
+      name = f"{preset} tau {tau:g} n{new_tokens}"
+      out[name] = measure(name, cells, args.repeats, tables, ar.tokens)
+      print(row(name, out[name]), flush=True)
+  return out
+
+
+def decode_py_part(args, tables: Tables) -> dict:
+  """decode.py, one process per prompt, after each other: the first finds no table."""
+  tables.use(False, "decode_py")
+  runs = []
+  for prompt in tqdm.tqdm(PROMPTS, desc="decode.py"):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"), "--prompt", prompt,
+                           "--json"], capture_output=True, text=True, check=True)
+    record = json.loads(done.stdout)
+    runs.append({k: record[k] for k in ("speedup", "identical_to_ar", "budgets", "wall_s",
+                                         "ar_wall_s", "calibrate_s", "warmup_s")})
+    runs[-1]["prompt"] = prompt
+  speedups = [r["speedup"] for r in runs]
+  return {"runs": runs, "median_speedup": statistics.median(speedups),
+          "min_speedup": min(speedups), "identical_to_ar": all(r["identical_to_ar"] for r in runs)}
+
+
+def row(name: str, r: dict) -> str:
+  m = r["tokens_per_s"]
+  cells = " | ".join(f"{v:.1f}" for v in m.values())
+  ratios = " | ".join(f"{r[f'{k} / best']:.2f}" for k in m if k.startswith("auto"))
+  return f"| {name} | {cells} | {ratios} | {'yes' if r['identical_to_ar'] else 'NO'} |"
+
+
+def ints(text: str) -> list[int]:
+  return [int(t) for t in text.split(",") if t.strip()]
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-  parser.add_argument("--budgets", default="16,64", help="fixed JetFlow budgets")
+  parser.add_argument("--parts", default="embedded,qwen3-0.6b,qwen3-1.7b,decode_py")
+  parser.add_argument("--budgets", type=ints, default=[16, 64], help="fixed JetFlow budgets")
+  parser.add_argument("--batches", type=ints, default=[1, 8], help="embedded part's batches")
+  # The embedded target's context is 1,024 positions: 2,048 new tokens would run past it.
+  parser.add_argument("--new-tokens", type=ints, default=[32, 128, 512],
+                      help="embedded part's new tokens")
+  parser.add_argument("--cpu-new-tokens", type=ints, default=[32, 128],
+                      help="new tokens of the Qwen3-shaped parts")
+  parser.add_argument("--taus", type=lambda t: [float(x) for x in t.split(",")],
+                      default=[2.0, 4.0, 8.0])
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                     "auto_budget.json"))
   args = parser.parse_args()
-  fixed = [int(b) for b in args.budgets.split(",")]
-  config, params = load_qwen3(embedded.default_target())
-  head_config, head_params = load_head(embedded.default_head("jetflow"))
-  tokenizer = load_tokenizer(embedded.default_target())
-  cells = [("ar", 1)] + [("jetflow", b) for b in fixed] + [("jetflow", "auto")]
-
-  def run(prompts, method, budget):
-    wall = tokens = 0.0
-    chosen = collections.Counter()
-    for prompt in prompts:
-      result = speculative_generate(params, config, head_params, head_config, [prompt],
-                                    args.max_new_tokens, method=method, budget=budget,
-                                    max_budget=max(fixed), warn=lambda _: None)
-      wall += result.wall_s
-      tokens += result.num_tokens
-      chosen.update(result.budgets)
-    return tokens / wall, chosen
-
-  report = {}
-  for name, limit in SETS.items():
-    prompts = [encode_prompt(tokenizer, p, False) for p in load_prompts(name)][:limit]
-    for method, budget in cells:  # compiles, and auto's round times
-      run(prompts[:2], method, budget)
-    rates = collections.defaultdict(list)
-    chosen = collections.Counter()
-    for repeat in tqdm.trange(args.repeats, desc=name):
-      shift = repeat % len(cells)  # each cell takes every place in a pass in turn
-      for method, budget in cells[shift:] + cells[:shift]:
-        rate, budgets = run(prompts, method, budget)
-        rates[f"{method} {budget}"].append(rate)
-        if budget == "auto":
-          chosen.update(budgets)
-    median = {cell: statistics.median(r) for cell, r in rates.items()}
-    best_fixed = max(median[f"jetflow {b}"] for b in fixed)
-    report[name] = {"prompts": len(prompts), "tokens_per_s": median, "runs": rates,
-                    "auto_over_ar": median["jetflow auto"] / median["ar 1"],
-                    "auto_over_best_fixed": median["jetflow auto"] / best_fixed,
-                    "auto_rounds_by_budget": {str(k): v for k, v in sorted(chosen.items())}}
-  print(f"greedy, {args.max_new_tokens} new tokens, tokens/s (median of {args.repeats} "
-        "alternated passes)")
-  print("| set | AR | " + " | ".join(f"JetFlow {b}" for b in fixed)
-        + " | auto | auto / AR | auto / best fixed | auto's rounds |")
-  print("|---" * (len(fixed) + 6) + "|")
-  for name, r in report.items():
-    m = r["tokens_per_s"]
-    rounds = ", ".join(f"{'AR' if k == '1' else k} x{v}"
-                       for k, v in r["auto_rounds_by_budget"].items())
-    print(f"| {name} ({r['prompts']}) | {m['ar 1']:.0f} | "
-          + " | ".join(f"{m[f'jetflow {b}']:.0f}" for b in fixed)
-          + f" | {m['jetflow auto']:.0f} | {r['auto_over_ar']:.2f} | "
-          f"{r['auto_over_best_fixed']:.2f} | {rounds} |")
+  report = {"settings": vars(args)}
+  with tempfile.TemporaryDirectory() as directory:
+    tables = Tables(directory)
+    for part in args.parts.split(","):
+      print(f"\n{part}: tokens/s, median of {args.repeats} alternated passes "
+            f"(AR, JetFlow {', '.join(map(str, args.budgets))}, auto absent, auto present; "
+            "auto over the best of AR and the fixed budgets)", flush=True)
+      if part == "embedded":
+        report[part] = embedded_part(args, tables)
+      elif part.startswith("qwen3-"):
+        report[part] = controlled_part(args, tables, part)
+      elif part == "decode_py":
+        report[part] = decode_py_part(args, tables)
+        print(json.dumps({k: v for k, v in report[part].items() if k != "runs"}), flush=True)
+      else:
+        parser.error(f"unknown part {part!r}")
   with open(args.out, "w") as f:
-    json.dump({"settings": vars(args), "sets": report}, f, indent=1)
+    json.dump(report, f, indent=1)
   print(f"wrote {args.out}", file=sys.stderr)
 
 
