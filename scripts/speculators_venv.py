@@ -49,8 +49,14 @@ def _ready(directory: str) -> bool:
     return False
 
 
+INSTALL_TIMEOUT_S = 1200  # a pip step that hangs (a dead index) must not hang `make test`
+
+
 def _run(command: list[str]) -> None:
-  done = subprocess.run(command, capture_output=True, text=True)
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    raise Unavailable(f"`{' '.join(command[-3:])}` took over {INSTALL_TIMEOUT_S} s") from None
   if done.returncode:
     lines = [l for l in (done.stderr or done.stdout).splitlines() if l.strip()]
     raise Unavailable(f"`{' '.join(command[-3:])}` failed: {' | '.join(lines[-3:])}")

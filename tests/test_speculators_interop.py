@@ -43,7 +43,8 @@ def run_speculators(python, cases, tmp_path):
   request.write_text(json.dumps({"cases": cases}))
   # -I: the tests folder must not shadow speculators' own imports (tests/multiprocess.py).
   done = subprocess.run([python, "-I", os.path.join(ROOT, "tests", "speculators_check.py"),
-                         str(request), str(result)], capture_output=True, text=True)
+                         str(request), str(result)], capture_output=True, text=True,
+                        timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return np.load(result)
 
