@@ -26,7 +26,11 @@ not per round) is `outside_loop`.
 
 With `--trace DIR`, each loop also runs `--trace-rounds` rounds (after a warm-up) under
 `jax.profiler.trace(DIR/<method>)`; the JSON gives the trace folders (open them in Perfetto or
-TensorBoard's profile plugin).
+TensorBoard's profile plugin; module.hlo beside each names its kernels) and `time_by_op`: where a round's time went, summed from the
+trace's per-kernel events and grouped by the source they came from (the round's named scope and
+Flax module path, layers folded together: `verify/Qwen3/layers_*/mlp/down_proj`), with each
+group's busiest opcode. On CPU, a thunk's time is its kernel's; wall_ms_per_round is the loop's
+own clock, so the difference is dispatch and what ran outside kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import glob
+import gzip
 import json
 import os
 import re
@@ -71,11 +77,16 @@ class Shapes:
 
 
 PRESETS = {"tiny": Shapes("cpu-small", 64, layers=2, vocab=512),
+           "qwen3-0.6b": Shapes("qwen3-0.6b", 512),
            "qwen3-8b": Shapes("qwen3-8b", 4096)}
 
 # Opcodes that launch no kernel of their own.
 NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
              "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain"}
+_LOOP_PARTS = ("while", "body", "cond")
+_CONTAINERS = ("while", "call", "conditional")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|true_computation|"
                      r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
@@ -174,6 +185,50 @@ def round_kernels(hlo_text: str) -> dict:
               outside_loop=everything - sum(t for t, _ in sized))
 
 
+def source_of(op_name: str) -> str:
+  """`jit(decode)/while/body/verify/Qwen3/layers_3/mlp/down_proj/dot_general` ->
+  `verify/Qwen3/layers_*/mlp/down_proj`: the scope and module path, primitive and jits dropped."""
+  parts = [part for part in op_name.split("/") if part
+           and not part.startswith(("jit(", "vmap(", "checkpoint")) and part not in _LOOP_PARTS]
+  return re.sub(r"layers_\d+", "layers_*", "/".join(parts[:-1]) or "(top level)")
+
+
+def time_by_op(trace_path: str, hlo_text: str, rounds: int, top: int = 15) -> list[dict]:
+  """Kernel time per round from a perfetto trace under `trace_path`, grouped by `source_of`
+  each instruction of the compiled module `hlo_text`; the `top` largest groups first."""
+  sources, opcodes = {}, {}
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, rhs = match.groups()
+    opcodes[name] = _opcode(rhs)
+    named = _OP_NAME.search(rhs)
+    # XLA's own rewrites (a canonicalized dot, say) carry no source: named by opcode and shape.
+    sources[name] = (source_of(named.group(1)) if named
+                     else f"({opcodes[name]} {rhs.split(' ', 1)[0].split('{')[0]})")
+  paths = glob.glob(os.path.join(trace_path, "**", "*.trace.json.gz"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no perfetto trace under {trace_path}")
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    events = json.load(f)["traceEvents"]
+  us, calls, busiest = collections.Counter(), collections.Counter(), {}
+  for event in events:
+    name = event.get("name")
+    if event.get("ph") != "X" or name not in sources or opcodes[name] in _CONTAINERS:
+      continue  # a loop's or call's event spans its body's kernels, counted on their own
+    source = sources[name]
+    us[source] += event.get("dur", 0)
+    calls[source] += 1
+    by_op = busiest.setdefault(source, collections.Counter())
+    by_op[opcodes[name]] += event.get("dur", 0)
+  total = sum(us.values()) or 1
+  return [dict(source=source, ms_per_round=t / 1e3 / rounds, share=t / total,
+               kernels_per_round=calls[source] / rounds,
+               busiest_opcode=busiest[source].most_common(1)[0][0])
+          for source, t in us.most_common(top)]
+
+
 def greedy_spec(config, drafter, tree_shape, impl: str) -> RoundSpec:
   return RoundSpec(config=config, drafter=drafter, tree_shape=tree_shape, impl=impl,
                    sampled=False, filtered=False)
@@ -228,9 +283,16 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
       jax.block_until_ready(loop(params[0], drafter_params, fresh(), np.int32(1)))  # warm-up
       state = jax.block_until_ready(fresh())
       path = os.path.join(trace_dir, name.replace("/", "_"))
-      with jax.profiler.trace(path):
+      with jax.profiler.trace(path, create_perfetto_trace=True):
+        start = time.perf_counter()
         jax.block_until_ready(loop(params[0], drafter_params, state, np.int32(trace_rounds)))
-      entry.update(trace=path, trace_rounds=trace_rounds)
+        wall_s = time.perf_counter() - start
+      hlo_text = loop.as_text()
+      with open(os.path.join(path, "module.hlo"), "w") as f:  # the trace's kernels by name
+        f.write(hlo_text)
+      entry.update(trace=path, trace_rounds=trace_rounds,
+                   wall_ms_per_round=wall_s * 1e3 / trace_rounds,
+                   time_by_op=time_by_op(path, hlo_text, trace_rounds))
     record["methods"][name] = entry
   return record
 
@@ -264,6 +326,12 @@ def main(argv=None) -> None:
       print(f"{name}: {entry['kernels']} kernels per round ({top}); {entry['nested_loops']} "
             f"nested loops; {entry['outside_loop']} outside the loop"
             + (f"; trace in {entry['trace']}" if "trace" in entry else ""))
+      if "time_by_op" in entry:
+        print(f"  {entry['wall_ms_per_round']:.1f} ms a round; kernel time by source:")
+        for group in entry["time_by_op"]:
+          print(f"  {group['ms_per_round']:8.2f} ms {group['share']:6.1%} "
+                f"{group['kernels_per_round']:6.0f}x {group['busiest_opcode']:<14} "
+                f"{group['source']}")
     out = args.out or os.path.join(ROOT, "bench", "results", f"profile_round_{args.preset}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

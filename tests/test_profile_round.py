@@ -1,5 +1,6 @@
 """bench/profile_round.py: kernels per round from compiled HLO, on the tiny pair and by hand."""
 
+import gzip
 import json
 import os
 import sys
@@ -108,3 +109,26 @@ def test_tiny_pair_ar_round_has_fewer_kernels_than_the_tree_round(tmp_path):
   assert ar["by_opcode"] and sum(tree["by_opcode"].values()) == tree["kernels"]
   assert record["backend"] == "cpu" and record["committed_length"] == 32
   json.dumps(record)  # what the script writes
+
+
+def test_time_by_op_groups_a_traces_kernels_by_source_per_round(tmp_path):
+  hlo = """HloModule m
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %w = f32[4]{0} while(%t), condition=%c, body=%b, metadata={op_name="jit(decode)/while"}
+  %d.1 = f32[1,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %f.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%g, metadata={op_name="jit(decode)/while/body/verify/Qwen3/layers_3/mlp/down_proj/dot_general"}
+  %f.2 = f32[4]{0} fusion(%p), kind=kLoop, calls=%g, metadata={op_name="jit(decode)/while/body/verify/Qwen3/layers_12/mlp/down_proj/add"}
+}
+"""
+  events = [dict(ph="X", name="w", dur=1000), dict(ph="X", name="d.1", dur=300),
+            dict(ph="X", name="f.1", dur=100), dict(ph="X", name="f.2", dur=500),
+            dict(ph="X", name="ThunkExecutor::Execute", dur=9000), dict(ph="i", name="f.1")]
+  trace = tmp_path / "plugins" / "profile" / "run"
+  trace.mkdir(parents=True)
+  with gzip.open(trace / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  groups = profile_round.time_by_op(str(tmp_path), hlo, rounds=2)
+  assert [g["source"] for g in groups] == ["verify/Qwen3/layers_*/mlp/down_proj", "(dot f32[1,8])"]
+  assert groups[0]["ms_per_round"] == pytest.approx(0.3) and groups[0]["kernels_per_round"] == 1
+  assert groups[0]["busiest_opcode"] == "fusion" and groups[1]["busiest_opcode"] == "dot"
+  assert sum(g["share"] for g in groups) == pytest.approx(1.0)  # the while's span is not a kernel
