@@ -26,11 +26,11 @@ not per round) is `outside_loop`.
 
 With `--trace DIR`, each loop also runs `--trace-rounds` rounds (after a warm-up) under
 `jax.profiler.trace(DIR/<method>)`; the JSON gives the trace folders (open them in Perfetto or
-TensorBoard's profile plugin; module.hlo beside each names its kernels) and `time_by_op`: where a round's time went, summed from the
-trace's per-kernel events and grouped by the source they came from (the round's named scope and
-Flax module path, layers folded together: `verify/Qwen3/layers_*/mlp/down_proj`), with each
-group's busiest opcode. On CPU, a thunk's time is its kernel's; wall_ms_per_round is the loop's
-own clock, so the difference is dispatch and what ran outside kernels.
+TensorBoard's profile plugin; module.hlo beside each names its kernels) and `time_by_op`:
+where a round's time went, summed from the trace's per-kernel events and grouped by the source
+they came from (the round's named scope and Flax module path, layers folded together:
+`verify/Qwen3/layers_*/mlp/down_proj`), with each group's busiest opcode. `wall_ms_per_round`
+is the loop's own clock; kernels that run on several host threads at once can add up to more.
 """
 
 from __future__ import annotations
