@@ -47,6 +47,7 @@ from jetflow_jax import embedded, load_head, load_qwen3, speculative_generate  #
 from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params,  # noqa: E402
                                             depth_distribution_for_tau)
 from jetflow_jax.decoding import TreeShape, auto, decode_prompts, generate  # noqa: E402
+from jetflow_jax.decoding.budget import COST_TABLES_ENV  # noqa: E402
 from jetflow_jax.model import init_params  # noqa: E402
 from jetflow_jax.text import encode_prompt, load_tokenizer  # noqa: E402
 
@@ -55,7 +56,6 @@ import step_costs  # noqa: E402
 
 PROMPTS = ("def merge(a, b):", "class Stack:\n    def push(self, x):", "def is_prime(n):",
            "import os\n\ndef walk(root):", "def parse_args(argv):")
-TABLES_ENV = "JETFLOW_COST_TABLES"
 
 
 class Tables:
@@ -71,7 +71,7 @@ class Tables:
     else:
       self.count += 1
       path = os.path.join(self.directory, f"absent_{self.count}.json")
-    os.environ[TABLES_ENV] = path
+    os.environ[COST_TABLES_ENV] = path
     auto._seconds.clear()
 
 

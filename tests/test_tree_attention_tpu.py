@@ -34,13 +34,17 @@ def case_id(cfg):
 
 
 GARBAGE_CASE = dict(b=3, t=7, s=300, n=8, k=2, h=64, cache_len=[0, 130, 256])
+# (seed, make_case arguments) of the runs through Pallas' HLO interpreter and in bfloat16.
+HLO_INTERPRETER_CASE = (4, dict(b=2, t=9, s=700, n=8, k=2, h=128))
+BFLOAT16_CASE = (2, dict(b=2, t=16, s=200, n=8, k=2, h=128, dtype=jnp.bfloat16))
 
 
 def garbage_cases():
   """The garbage case clean, then with NaN / inf in every cache slot past each row's cache_len."""
   case = make_case(3, **GARBAGE_CASE)
   yield "clean", case
-  stale_bs11 = (jnp.arange(300)[None, :] >= case["cache_len"][:, None])[..., None, None]
+  slot_bs = jnp.arange(GARBAGE_CASE["s"])[None, :]
+  stale_bs11 = (slot_bs >= case["cache_len"][:, None])[..., None, None]
   for garbage in (np.nan, np.inf):
     case = dict(case)
     for name in ("k_cache", "v_cache"):
@@ -58,10 +62,9 @@ def interpret_all(path: str) -> None:
   """
   kwargs = dict(impl="pallas_tpu", interpret=TPU_INTERPRET, block_kv=128)
   outs = {case_id(cfg): run(make_case(1, b=3, **cfg), **kwargs) for cfg in CASES}
-  outs["interpret_true"] = run(make_case(4, b=2, t=9, s=700, n=8, k=2, h=128),
+  outs["interpret_true"] = run(make_case(HLO_INTERPRETER_CASE[0], **HLO_INTERPRETER_CASE[1]),
                                impl="pallas_tpu", interpret=True)
-  outs["bfloat16"] = run(make_case(2, b=2, t=16, s=200, n=8, k=2, h=128, dtype=jnp.bfloat16),
-                         **kwargs)
+  outs["bfloat16"] = run(make_case(BFLOAT16_CASE[0], **BFLOAT16_CASE[1]), **kwargs)
   outs.update((f"garbage_{name}", run(case, **kwargs)) for name, case in garbage_cases())
   np.savez(path, **outs)
 
@@ -87,10 +90,10 @@ def test_tpu_interpreter_matches_xla_and_brute_force(interpreted):
     expected = run(make_case(1, b=3, **cfg), impl="xla")
     np.testing.assert_allclose(interpreted[case_id(cfg)], expected, atol=2e-5, rtol=0,
                                err_msg=case_id(cfg))
-  case = make_case(4, b=2, t=9, s=700, n=8, k=2, h=128)
+  case = make_case(HLO_INTERPRETER_CASE[0], **HLO_INTERPRETER_CASE[1])
   for expected in (run(case, impl="xla"), brute_force(case)):
     np.testing.assert_allclose(interpreted["interpret_true"], expected, atol=2e-5, rtol=0)
-  case = make_case(2, b=2, t=16, s=200, n=8, k=2, h=128, dtype=jnp.bfloat16)
+  case = make_case(BFLOAT16_CASE[0], **BFLOAT16_CASE[1])
   np.testing.assert_allclose(interpreted["bfloat16"], run(case, impl="xla"), atol=2e-2, rtol=0)
   np.testing.assert_allclose(interpreted["bfloat16"], brute_force(case), atol=3e-2, rtol=0)
   # NaN or inf in cache slots past a row's cache_len never reach the output.
