@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jetflow_jax import load_qwen3, roofline  # noqa: E402
+from jetflow_jax.model import decode_kernel_layout, with_kernel_layout  # noqa: E402
 from jetflow_jax.decoding import generate  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -79,6 +80,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as directory:
     model.save_pretrained(directory, safe_serialization=True)
     _, params = load_qwen3(directory, jnp.float32)
+  params = with_kernel_layout(params, decode_kernel_layout())  # as `decode.py` decodes
 
   def run_jax():
     result = generate(params, config, prompt.tolist(), n, stop_tokens=(), warmup=True)

@@ -48,7 +48,8 @@ from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params
                                             depth_distribution_for_tau)
 from jetflow_jax.decoding import TreeShape, auto, decode_prompts, generate  # noqa: E402
 from jetflow_jax.decoding.budget import COST_TABLES_ENV  # noqa: E402
-from jetflow_jax.model import init_params  # noqa: E402
+from jetflow_jax.model import (decode_kernel_layout, init_params,  # noqa: E402
+                               with_kernel_layout)
 from jetflow_jax.text import encode_prompt, load_tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -106,6 +107,8 @@ def measure(scenario: str, cells: dict, repeats: int, tables: Tables, reference)
 def embedded_part(args, tables: Tables) -> dict:
   config, params = load_qwen3(embedded.default_target())
   head_config, head_params = load_head(embedded.default_head("jetflow"))
+  params, head_params = (with_kernel_layout(p, decode_kernel_layout())  # as decode.py does
+                         for p in (params, head_params))
   tokenizer = load_tokenizer(embedded.default_target())
   ids = [encode_prompt(tokenizer, p, False) for p in PROMPTS]
   out = {}
@@ -144,8 +147,8 @@ class Merged:
 
 def controlled_part(args, tables: Tables, preset: str) -> dict:
   config = step_costs.PRESETS[preset].config
-  params = jax.block_until_ready(jax.jit(init_params, static_argnums=(0,))(
-      config, jax.random.key(0)))
+  params = jax.block_until_ready(with_kernel_layout(jax.jit(init_params, static_argnums=(0,))(
+      config, jax.random.key(0)), decode_kernel_layout()))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
   drafter = ControlledDrafter(depth=15)
   out = {}

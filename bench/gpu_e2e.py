@@ -58,7 +58,7 @@ from jetflow_jax.decoding.round import RoundSpec
 from jetflow_jax.decoding.state import default_cache_size
 from jetflow_jax.drafters import NoDrafter
 from jetflow_jax.errors import InputError
-from jetflow_jax.model import init_params
+from jetflow_jax.model import decode_kernel_layout, init_params, with_kernel_layout
 from jetflow_jax.sampling import Greedy, sampling_flags
 from jetflow_jax.tree import validate_tree_args
 
@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--compile-workers", type=int, default=4,
                       help="threads compiling up front (1: each run compiles its own)")
   parser.add_argument("--compile-cache", help="persistent XLA compilation cache directory")
+  parser.add_argument("--kernel-layout", choices=("auto", "in_out", "out_in"), default="auto",
+                      help="how the target's projection kernels are stored (auto: the backend's "
+                           "fastest, model.decode_kernel_layout)")
   parser.add_argument("--allow-cpu", action="store_true", help="run a GPU preset on CPU anyway")
   parser.add_argument("--out", help="JSON path (default bench/results/gpu/e2e_<preset>.json)")
   return parser.parse_args(argv)
@@ -134,6 +137,7 @@ class Plan:
   seed: int
   compile_workers: int
   out: str
+  kernel_layout: str
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -162,7 +166,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
   return Plan(args.preset, preset.config, preset.dtype, args.attention or preset.attention,
               new_tokens, args.prompt_len, step_costs.parse_ints(args.batches, "--batches"),
               taus, budgets, args.auto, args.top_k, args.depth, args.distribution, repeats,
-              args.seed, args.compile_workers, out)
+              args.seed, args.compile_workers, out,
+              decode_kernel_layout() if args.kernel_layout == "auto" else args.kernel_layout)
 
 
 def precompile(plan: Plan, target_params, prompts_by_batch, drafter: ControlledDrafter) -> float:
@@ -226,8 +231,8 @@ def run(plan: Plan) -> dict:
   """Params, prompts, AR, then every (batch, budget, tau); returns the JSON record."""
   start = time.perf_counter()
   make_params = jax.jit(init_params, static_argnums=(0, 2))
-  target_params = jax.block_until_ready(make_params(plan.config, jax.random.key(plan.seed),
-                                                    plan.dtype))
+  target_params = jax.block_until_ready(with_kernel_layout(
+      make_params(plan.config, jax.random.key(plan.seed), plan.dtype), plan.kernel_layout))
   params_s = time.perf_counter() - start
   rng = np.random.default_rng(plan.seed)
   all_prompts = rng.integers(0, plan.config.vocab_size,
@@ -268,7 +273,8 @@ def run(plan: Plan) -> dict:
       preset=plan.preset_name, backend=jax.default_backend(),
       device=getattr(device, "device_kind", str(device)), jax_version=jax.__version__,
       dtype=jnp.dtype(plan.dtype).name, config=dataclasses.asdict(plan.config),
-      attention=plan.attention, new_tokens=plan.new_tokens, prompt_len=plan.prompt_len,
+      attention=plan.attention, kernel_layout=plan.kernel_layout, new_tokens=plan.new_tokens,
+      prompt_len=plan.prompt_len,
       top_k=plan.top_k, depth=plan.depth, distribution=plan.distribution,
       repeats=plan.repeats, params_s=params_s, precompile_s=precompile_s,
       compiles_after_precompile=compiled.misses - misses,

@@ -61,7 +61,8 @@ from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.drafters import HeadDrafter, NoDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.head import init_head_params
-from jetflow_jax.model import abstract_params, init_params
+from jetflow_jax.model import (abstract_params, decode_kernel_layout, init_params,
+                               with_kernel_layout)
 from jetflow_jax.partitioning import abstract
 from jetflow_jax.tree import validate_tree_args
 
@@ -236,9 +237,11 @@ def greedy_spec(config, drafter, tree_shape, impl: str) -> RoundSpec:
 
 def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch: int = 1,
                   length: int | None = None, attention: str | None = None,
-                  trace_dir: str | None = None, trace_rounds: int = 3, seed: int = 0) -> dict:
+                  trace_dir: str | None = None, trace_rounds: int = 3, seed: int = 0,
+                  kernel_layout: str | None = None) -> dict:
   """Compiles the AR and the JetFlow device loop at one shape, counts each round's kernels,
-  and with `trace_dir` traces `trace_rounds` rounds of each; returns the JSON record."""
+  and with `trace_dir` traces `trace_rounds` rounds of each; returns the JSON record. The
+  target's and head's kernels are stored in `kernel_layout` (default: the backend's fastest)."""
   shapes = PRESETS[preset]
   base = step_costs.PRESETS[shapes.base]
   config, head_config = step_costs.preset_pair(base, shapes.layers, shapes.vocab)
@@ -249,8 +252,10 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
     raise InputError("--length must be >= 2, --batch and --trace-rounds >= 1")
   validate_tree_args(depth, config.vocab_size, budget, top_k)
   capacity = length + (trace_rounds + 2) * (depth + 1)  # room for the traced rounds
-  target_abs = abstract_params(config, dtype)
-  head_abs = jax.eval_shape(lambda: init_head_params(head_config, jax.random.key(0), dtype))
+  layout = kernel_layout or decode_kernel_layout()
+  target_abs = abstract_params(config, dtype, layout)
+  head_abs = jax.eval_shape(lambda: with_kernel_layout(
+      init_head_params(head_config, jax.random.key(0), dtype), layout))
   prompt_bt = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, length - 1))
   rows = step_costs.greedy_rows(prompt_bt.astype(np.int32), np.full((batch,), length - 1,
                                                                     np.int32),
@@ -261,7 +266,7 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
                             TreeShape("top_n", budget, top_k), impl, head_abs)}
   params = None
   record = dict(preset=preset, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                dtype=jnp.dtype(dtype).name, batch=batch, committed_length=length,
+                dtype=jnp.dtype(dtype).name, kernel_layout=layout, batch=batch, committed_length=length,
                 budget=budget, top_k=top_k, attention=impl, methods={})
   for name, (drafter, shape, method_impl, drafter_abs) in methods.items():
     spec = greedy_spec(config, drafter, shape, method_impl)
@@ -275,8 +280,8 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
     if trace_dir:
       if params is None:
         target_key, head_key = jax.random.split(jax.random.key(seed))
-        params = (init_params(config, target_key, dtype),
-                  init_head_params(head_config, head_key, dtype))
+        params = (with_kernel_layout(init_params(config, target_key, dtype), layout),
+                  with_kernel_layout(init_head_params(head_config, head_key, dtype), layout))
       drafter_params = params[1] if drafter_abs is not None else None
       fill = prefill.lower(params[0], drafter_params, *rows, **prefill_kwargs).compile()
       fresh = lambda: fill(params[0], drafter_params, *rows)
@@ -309,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--trace", help="record a jax.profiler trace of each loop under this folder")
   parser.add_argument("--trace-rounds", type=int, default=3, help="rounds traced per loop")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--kernel-layout", choices=("in_out", "out_in"),
+                      help="how projection kernels are stored (default: the backend's fastest)")
   parser.add_argument("--out", help="JSON path (default bench/results/profile_round_<preset>.json)")
   return parser.parse_args(argv)
 
@@ -318,7 +325,8 @@ def main(argv=None) -> None:
 
   def run():
     record = profile_round(args.preset, args.budget, args.top_k, args.batch, args.length,
-                           args.attention, args.trace, args.trace_rounds, args.seed)
+                           args.attention, args.trace, args.trace_rounds, args.seed,
+                           args.kernel_layout)
     print(f"{record['preset']} on {record['device']} ({record['dtype']}), batch "
           f"{record['batch']}, {record['committed_length']} committed tokens")
     for name, entry in record["methods"].items():

@@ -70,7 +70,8 @@ from jetflow_jax.drafters import HeadDrafter, NoDrafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.head import init_head_params
 from jetflow_jax.head_config import QWEN3_MASK_TOKEN_ID, HeadConfig
-from jetflow_jax.model import abstract_params, forward, init_params, lm_logits
+from jetflow_jax.model import (abstract_params, decode_kernel_layout, forward, init_params,
+                               lm_logits, with_kernel_layout)
 from jetflow_jax.partitioning import abstract
 from jetflow_jax.sampling import Greedy, RowSampling
 from jetflow_jax.tree import build_tree, validate_tree_args
@@ -591,12 +592,15 @@ def run(plan: Plan) -> dict:
   with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
       tqdm(total=num_compiles, desc="compile", unit="exe") as compile_bar:
     # Params are made on the default device while the main thread lowers.
+    # Kernels stored as decoding on this backend stores them (`pair.load_pair`).
+    layout = decode_kernel_layout()
     params_future = pool.submit(lambda: jax.block_until_ready((
-        init_params(config, target_key, plan.dtype),
-        init_head_params(head_config, head_key, plan.dtype))))
+        with_kernel_layout(init_params(config, target_key, plan.dtype), layout),
+        with_kernel_layout(init_head_params(head_config, head_key, plan.dtype), layout))))
     compiler = Compiler(pool, compile_bar)
-    target_abs = abstract_params(config, plan.dtype)
-    head_abs = jax.eval_shape(lambda: init_head_params(head_config, jax.random.key(0), plan.dtype))
+    target_abs = abstract_params(config, plan.dtype, layout)
+    head_abs = jax.eval_shape(lambda: with_kernel_layout(
+        init_head_params(head_config, jax.random.key(0), plan.dtype), layout))
     lower_all(plan, compiler, target_abs, head_abs)
     params = params_future.result()
     for job in compiler.jobs.values():
@@ -620,7 +624,7 @@ def run(plan: Plan) -> dict:
       preset=plan.preset_name, backend=jax.default_backend(), device=kind,
       floor_device=dataclasses.asdict(floor_device) if floor_device else None,
       batch=plan.batches[0], jax_version=jax.__version__,
-      dtype=jnp.dtype(plan.dtype).name, config=dataclasses.asdict(config),
+      dtype=jnp.dtype(plan.dtype).name, kernel_layout=layout, config=dataclasses.asdict(config),
       head_config=dataclasses.asdict(head_config), budgets=list(plan.budgets),
       attention=list(plan.attention), repeats=plan.repeats, top_k=plan.top_k,
       loop=dict(rounds=plan.loop_rounds, budget=plan.loop_budget, attention=plan.attention[0]),

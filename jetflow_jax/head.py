@@ -30,8 +30,8 @@ from jetflow_jax.errors import InputError
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl, train_attention
 from jetflow_jax.masks import in_block_mask
-from jetflow_jax.model import (DecoderLayer, Dtype, KVCache, embed_tokens, forward, lm_logits,
-                               write_rows)
+from jetflow_jax.model import (DecoderLayer, Dtype, KernelLayout, KVCache, embed_tokens, forward,
+                               kernel_layout, lm_logits, projection, write_rows)
 
 RematPolicy = Literal["none", "full", "dots"]
 DRAFT_VOCAB = "draft_vocab"  # params key: {"target_ids": [K] int32}, draft id -> target id
@@ -47,12 +47,14 @@ class DraftHead(nn.Module):
   config: HeadConfig
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
+  layout: KernelLayout = "in_out"  # how the head's params store their kernels (`kernel_layout`)
 
   def setup(self):
     c = self.config
-    self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=self.dtype)
+    self.fc = projection(self.layout, self.dtype, c.hidden_size)
     self.hidden_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    self.layers = [DecoderLayer(c.layer_config(), i, dtype=self.dtype, impl=self.impl)
+    self.layers = [DecoderLayer(c.layer_config(), i, dtype=self.dtype, impl=self.impl,
+                                layout=self.layout)
                    for i in range(c.num_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
 
@@ -184,7 +186,7 @@ def append_context(head_params, config: HeadConfig, cache: KVCache, taps_btld, s
     The cache with every layer's context K/V written.
   """
   positions_bt = start_b[:, None] + jnp.arange(taps_btld.shape[1], dtype=jnp.int32)[None, :]
-  kvs = DraftHead(config, dtype).apply(
+  kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
       {"params": _module_params(head_params)}, taps_btld.astype(dtype), positions_bt,
       method=DraftHead.context_kv)
   return KVCache(k=tuple(write_rows(buf, k, start_b) for buf, (k, _) in zip(cache.k, kvs)),
@@ -201,7 +203,7 @@ def context_cache(head_params, config: HeadConfig, taps_btld, size: int,
   """
   positions_bt = jnp.broadcast_to(jnp.arange(taps_btld.shape[1], dtype=jnp.int32),
                                   taps_btld.shape[:2])
-  kvs = DraftHead(config, dtype).apply(
+  kvs = DraftHead(config, dtype, layout=kernel_layout(head_params)).apply(
       {"params": _module_params(head_params)}, taps_btld.astype(dtype), positions_bt,
       method=DraftHead.context_kv)
   return KVCache.from_rows(KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs)), size)
@@ -240,7 +242,7 @@ def draft_block(head_params, config: HeadConfig, target_params, target_config: Q
   x_btd = embed_tokens(target_params, target_config, _block_tokens(config, anchor_b[:, None])[:, 0])
   positions_bt = context_len_b[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
   block_mask_btt = jnp.broadcast_to(in_block_mask(block, config.causal), (batch, block, block))
-  hidden_btd = DraftHead(config, dtype, impl).apply(
+  hidden_btd = DraftHead(config, dtype, impl, kernel_layout(head_params)).apply(
       {"params": _module_params(head_params)}, x_btd.astype(dtype), positions_bt, cache,
       context_len_b, None, block_mask_btt)
   return head_logits(head_params, config, target_params, target_config, hidden_btd[:, 1:])

@@ -116,7 +116,11 @@ class DecodeMesh:
     return spec[0] if spec else None
 
   def param_specs(self, config: Qwen3Config, params) -> dict:
-    """A `PartitionSpec` for every leaf of the target's params."""
+    """A `PartitionSpec` for every leaf of the target's params, whose kernels are stored in_out
+    (the logical axes name those dimensions)."""
+    if partitioning.kernel_layout(params) != "in_out":
+      raise InputError("a decode mesh splits params whose kernels are stored in_out, as they "
+                       "load; these are out_in: `model.with_kernel_layout(params, \"in_out\")`")
     return partitioning.param_specs(params, RULES, self.mesh)
 
   def param_shardings(self, config: Qwen3Config, params):

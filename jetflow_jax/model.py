@@ -9,6 +9,7 @@ mapping in `hf_params.py` stays a table. The MoE layers' feed-forward block is `
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -22,7 +23,7 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.kernels import tree_attention
 from jetflow_jax.kernels.tree_attention import causal_attention
 from jetflow_jax.moe import ExpertsImpl, MoE
-from jetflow_jax.partitioning import Layout
+from jetflow_jax.partitioning import KernelLayout, Layout, kernel_layout
 
 Dtype = Any
 
@@ -73,20 +74,106 @@ def write_rows(buffer_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) 
   return jax.vmap(write)(buffer_bskh, new_btkh.astype(buffer_bskh.dtype), start_b)
 
 
+# How the decoder layers' projections (and a head's `fc`) store their kernels (`KernelLayout`):
+# "in_out": Flax's `[*inputs, *outputs]` (q_proj `[D, N, H]`, o_proj `[N, H, D]`): what
+#   checkpoints load as, what training and the meshes split.
+# "out_in": one matrix `[outputs, inputs]` each (q_proj `[N*H, D]`, o_proj `[D, N*H]`), HF's
+#   order. The math is the same; XLA's CPU matrix-vector and few-row products read a weight at
+#   the bandwidth floor only along its minor axis (20-22 GB/s against 12-17 GB/s in_out on this
+#   project's CPU: docs/benchmarks/round_costs.md), so decoding on CPU converts to it
+#   (`decode_kernel_layout`). One matrix, not `[N, H, D]`: XLA copies 3-axis kernels into the
+#   layout its dot wants on every step.
+_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
+               "up_proj": 1, "down_proj": 1, "fc": 1}  # projection -> its in_out input axes
+
+
+class OutInDense(nn.Module):
+  """A bias-free projection from x's last `in_axes` axes to `features`, its kernel one
+  `[prod(features), prod(inputs)]` matrix (the "out_in" layout)."""
+
+  features: tuple[int, ...]
+  in_axes: int = 1
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    lead, inputs = x.shape[:x.ndim - self.in_axes], x.shape[x.ndim - self.in_axes:]
+    kernel = self.param("kernel", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
+                        (math.prod(self.features), math.prod(inputs)))
+    y = jnp.einsum("...i,oi->...o", x.reshape(*lead, -1).astype(self.dtype),
+                   kernel.astype(self.dtype))
+    return y.reshape(*lead, *self.features)
+
+
+def projection(layout: KernelLayout, dtype: Dtype, features: int | tuple[int, ...],
+               in_axes: int = 1) -> nn.Module:
+  """A bias-free projection module whose kernel is stored in `layout` (Flax's own for in_out)."""
+  if layout == "out_in":
+    return OutInDense((features,) if isinstance(features, int) else tuple(features), in_axes,
+                      dtype)
+  if in_axes == 1 and isinstance(features, int):
+    return nn.Dense(features, use_bias=False, dtype=dtype)
+  return nn.DenseGeneral(features, axis=tuple(range(-in_axes, 0)), use_bias=False, dtype=dtype)
+
+
+def decode_kernel_layout(backend: str | None = None) -> KernelLayout:
+  """The layout decoding runs fastest from on `backend` (default: JAX's): out_in on CPU (see
+  `KernelLayout`); in_out elsewhere, where the matmul libraries read either at full speed and
+  meshes split in_out."""
+  return "out_in" if (backend or jax.default_backend()) == "cpu" else "in_out"
+
+
+def with_kernel_layout(params, layout: KernelLayout):
+  """`params` (a target's or a head's) with every projection kernel stored in `layout`; every
+  other leaf (embedding, LM heads, norms, MoE experts and router) as it is. Consumes `params`
+  when it converts: each kernel is donated to its own jitted copy, so at most one is ever held
+  twice (use the returned tree)."""
+  if kernel_layout(params) == layout:
+    return params
+
+  def convert(tree):
+    out = {}
+    for name, value in tree.items():
+      if name in _INPUT_AXES and isinstance(value, dict) and "kernel" in value:
+        head_dim = tree["q_norm"]["scale"].shape[0] if "q_norm" in tree else 0
+        value = {**value, "kernel": _relayout(value["kernel"], layout, _INPUT_AXES[name],
+                                              head_dim)}
+      elif isinstance(value, dict):
+        value = convert(value)
+      out[name] = value
+    return out
+  return convert(params)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3), donate_argnums=0)
+def _relayout(kernel, layout: KernelLayout, in_axes: int, head_dim: int):
+  if layout == "out_in":  # [*inputs, *outputs] -> [outputs, inputs]
+    inputs = math.prod(kernel.shape[:in_axes])
+    return kernel.reshape(inputs, -1).T
+  # [outputs, inputs] -> [*inputs, *outputs]: attention's head axes split as q_norm's size says
+  in_out = kernel.T
+  if in_axes == 2:  # o_proj [D, N*H] -> [N, H, D]
+    return in_out.reshape(-1, head_dim, in_out.shape[1])
+  if head_dim:  # q/k/v_proj [N*H, D] -> [D, N, H]
+    return in_out.reshape(in_out.shape[0], -1, head_dim)
+  return in_out
+
+
 class Attention(nn.Module):
   """Qwen3 attention: q/k RMSNorm over head_dim, RoPE, grouped KV heads."""
 
   config: Qwen3Config
   dtype: Dtype = jnp.float32
   impl: AttentionImpl = "xla"
+  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
-    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype)
+    dense = functools.partial(projection, self.layout, self.dtype)
     self.q_proj = dense((c.num_attention_heads, c.head_dim))
     self.k_proj = dense((c.num_key_value_heads, c.head_dim))
     self.v_proj = dense((c.num_key_value_heads, c.head_dim))
-    self.o_proj = dense(c.hidden_size, axis=(-2, -1))
+    self.o_proj = dense(c.hidden_size, in_axes=2)
     self.q_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     self.k_norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
 
@@ -136,13 +223,15 @@ class MLP(nn.Module):
   hidden_size: int
   intermediate_size: int
   dtype: Dtype = jnp.float32
+  layout: KernelLayout = "in_out"
 
-  @nn.compact
+  def setup(self):
+    self.gate_proj = projection(self.layout, self.dtype, self.intermediate_size)
+    self.up_proj = projection(self.layout, self.dtype, self.intermediate_size)
+    self.down_proj = projection(self.layout, self.dtype, self.hidden_size)
+
   def __call__(self, x_btd):
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
-    gate = dense(self.intermediate_size, name="gate_proj")(x_btd)
-    up = dense(self.intermediate_size, name="up_proj")(x_btd)
-    return dense(self.hidden_size, name="down_proj")(nn.silu(gate) * up)
+    return self.down_proj(nn.silu(self.gate_proj(x_btd)) * self.up_proj(x_btd))
 
 
 class DecoderLayer(nn.Module):
@@ -154,16 +243,17 @@ class DecoderLayer(nn.Module):
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
   mesh: Mesh | None = None
+  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
     self.input_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl)
+    self.self_attn = Attention(c, dtype=self.dtype, impl=self.impl, layout=self.layout)
     self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
-    if c.is_moe_layer(self.layer):
+    if c.is_moe_layer(self.layer):  # experts stay [E, in, out] in either layout
       self.mlp = MoE(c, dtype=self.dtype, experts=self.experts, mesh=self.mesh)
     else:
-      self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype)
+      self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=self.dtype, layout=self.layout)
 
   def __call__(self, x_btd, positions_bt, kv, cache_index_b, mask_bts, tree_mask_btt=None):
     with jax.named_scope("attention_block"):
@@ -186,12 +276,13 @@ class Qwen3(nn.Module):
   impl: AttentionImpl = "xla"
   experts: ExpertsImpl = "ragged"
   mesh: Mesh | None = None  # a decode mesh: MoE layers run their experts per shard
+  layout: KernelLayout = "in_out"
 
   def setup(self):
     c = self.config
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
     self.layers = [DecoderLayer(c, i, dtype=self.dtype, impl=self.impl, experts=self.experts,
-                                mesh=self.mesh)
+                                mesh=self.mesh, layout=self.layout)
                    for i in range(c.num_hidden_layers)]
     self.norm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=self.dtype)
     if not c.tie_word_embeddings:
@@ -253,9 +344,11 @@ def params_dtype(params) -> Dtype:
   return params["embed_tokens"]["embedding"].dtype
 
 
-def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32):
-  """Shapes and dtypes of the params pytree, without allocating it."""
-  return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32,
+                    layout: KernelLayout = "in_out"):
+  """Shapes and dtypes of the params pytree (kernels stored in `layout`), without allocating it."""
+  return jax.eval_shape(lambda: with_kernel_layout(init_params(config, jax.random.key(0), dtype),
+                                                   layout))
 
 
 def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
@@ -317,7 +410,8 @@ def forward(params, config: Qwen3Config, tokens_bt, *, positions_bt=None,
   # No mask: attention is causal over slots (the rows' own, without a cache), in blocks only as
   # far as the rows reach.
   dtype = dtype or params_dtype(params)
-  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh)
+  model = Qwen3(config, dtype=dtype, impl=impl, experts=experts, mesh=mesh,
+                layout=kernel_layout(params))
   return model.apply({"params": params}, tokens_bt, positions_bt, cache, cache_index_b, mask_bts,
                      tuple(tap_layers), tree_mask_btt)
 
@@ -355,7 +449,8 @@ def forward_by_layer(params, config: Qwen3Config, tokens_bt, *, positions_bt=Non
   x_btd = layout.rows(embed_tokens(params, config, tokens_bt, dtype))
   taps = {}
   for run in _layer_runs(config, tap_layers):
-    layer = DecoderLayer(config, run.start, dtype=dtype, experts=experts)
+    layer = DecoderLayer(config, run.start, dtype=dtype, experts=experts,
+                         layout=kernel_layout(params))
 
     def step(x_btd, i, run=run, layer=layer):
       pick = [lambda i=i: params[f"layers_{i}"] for i in run]

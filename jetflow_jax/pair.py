@@ -25,6 +25,7 @@ from jetflow_jax.head_checkpoint import load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.tree_attention import attention_for_backend
 from jetflow_jax.mesh import DecodeMesh, parse_mesh
+from jetflow_jax.model import decode_kernel_layout, with_kernel_layout
 
 EMBEDDED_NAME = "jetflow-embedded"
 
@@ -169,7 +170,8 @@ def load_pair(checkpoint: str | None = None, head: str | None = None, method: st
 
   Returns:
     The `Pair`: the target's directory, name, config and params, the method, the head's config
-    and params (None for ar), the attention path and the `DecodeMesh` (or None).
+    and params (None for ar), the attention path and the `DecodeMesh` (or None). Without a
+    mesh, the target's and head's kernels are stored as `model.decode_kernel_layout` says.
 
   Raises:
     CheckpointError: a target or head that cannot be read.
@@ -184,6 +186,10 @@ def load_pair(checkpoint: str | None = None, head: str | None = None, method: st
   config, params = load_qwen3(target, cli.parse_dtype(dtype),
                               None if decode_mesh is None else decode_mesh.param_shardings)
   head_config, head_params = load_head_for(method, head, embedded_target, dtype)
+  if decode_mesh is None:  # one device decodes from its backend's fastest kernel layout
+    params = with_kernel_layout(params, decode_kernel_layout())
+    if head_params is not None:
+      head_params = with_kernel_layout(head_params, decode_kernel_layout())
   name = EMBEDDED_NAME if embedded_target else os.path.basename(os.path.normpath(checkpoint))
   return Pair(checkpoint=target, name=name, config=config, params=params, method=method,
               head_config=head_config, head_params=head_params,

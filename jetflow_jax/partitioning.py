@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,15 @@ _PARAM_AXES: dict[tuple[str, str], Axes] = {
     # A draft vocabulary's target ids: every shard maps any drafted id, so kept whole.
     ("draft_vocab", "target_ids"): (None,),
 }
+
+
+KernelLayout = Literal["in_out", "out_in"]  # how projection kernels are stored: `model.py` says
+
+
+def kernel_layout(params) -> KernelLayout:
+  """How a target's or a head's projection kernels are stored (read off its first layer); the
+  logical axes above name in_out's dimensions."""
+  return "out_in" if params["layers_0"]["self_attn"]["q_proj"]["kernel"].ndim == 2 else "in_out"
 
 
 def param_axes(names: Sequence[str], ndim: int) -> Axes:

@@ -82,9 +82,10 @@ def head_record_key(spec: RoundSpec, drafter_params) -> dict:
 
 
 def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_width: int,
-                  capacity: int) -> dict:
-  """What the device loop's round times depend on: the device, the model's and head's shapes,
-  the rows, and the loop's tree, ladder, prompt bucket, cache and kernel."""
+                  capacity: int, kernel_layout: str = "in_out") -> dict:
+  """What the device loop's round times depend on: the device, the model's and head's shapes
+  and how their kernels are stored, the rows, and the loop's tree, ladder, prompt bucket, cache
+  and kernel."""
   spec = specs[-1]  # the largest tree
   key = cost_key(jax.devices()[0].device_kind, spec.config, getattr(spec.drafter, "config", None),
                  rows, dtype)
@@ -94,19 +95,20 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
                  "tree": spec.tree_shape.kind, "top_k": spec.tree_shape.top_k,
                  "ladder": list(spec.ladder), "prompt_width": prompt_width, "capacity": capacity,
                  "attention": spec.impl, "sampled": spec.sampled, "filtered": spec.filtered,
-                 "logprobs": spec.logprobs,
+                 "logprobs": spec.logprobs, "kernels": kernel_layout,
                  "mesh": None if spec.mesh is None else str(spec.mesh.mesh.shape)}
   return key
 
 
 def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
                   flush: Callable | None, state: DecodeState, prompt_width: int,
-                  capacity: int) -> tuple[np.ndarray, float]:
+                  capacity: int, kernel_layout: str = "in_out") -> tuple[np.ndarray, float]:
   """(seconds of a round at each spec's budget, seconds of `flush`) on this device and these
   shapes: measured on copies of `state` the first time, and kept (in this process, and in the
   cost tables file `budget.cost_tables_path()` for the next)."""
   memo = (tuple(specs), jax.tree.structure(state),
-          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity, flush is None)
+          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity, flush is None,
+          kernel_layout)
   if memo not in _seconds:
     before = to_host(state.rounds_b)
 
@@ -128,7 +130,8 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
                        for run, per_round in runs])
 
     rows = state.lengths_b.shape[0]
-    key = loop_cost_key(specs, rows, str(state.cache.k[0].dtype), prompt_width, capacity)
+    key = loop_cost_key(specs, rows, str(state.cache.k[0].dtype), prompt_width, capacity,
+                        kernel_layout)
     extras = () if flush is None else ("flush",)
     seconds, _ = kept_seconds(key, specs[-1].ladder, rows, measure, cost_tables_path(),
                               "seconds of one round of the device loop; flush: the held-back "

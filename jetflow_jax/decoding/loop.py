@@ -27,7 +27,7 @@ from jetflow_jax.distributed import agreed, to_host
 from jetflow_jax.drafters import Drafter
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh
-from jetflow_jax.partitioning import KEEP, abstract
+from jetflow_jax.partitioning import KEEP, abstract, kernel_layout
 from jetflow_jax.sampling import Greedy, RowSampling, Sampler, sampling_flags
 
 STREAM_INTERVAL_S = 0.1  # streamed text arrives at least this often once chunks have grown
@@ -340,7 +340,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   if auto:
     calibrating = time.perf_counter()  # on copies of the state; its time is left out below
     width = rows.prompt_bt.shape[1]
-    seconds_l, flush_s = (round_seconds(specs, advance_l, flush_fn, state, width, cache_size)
+    seconds_l, flush_s = (round_seconds(specs, advance_l, flush_fn, state, width, cache_size,
+                                        kernel_layout(target_params))
                           if auto is True else (np.ones(len(specs)), 0.0))  # a schedule: no times
     record = load_head_record(cost_tables_path(), head_record_key(specs[-1], drafter_params),
                               specs[-1].ladder)

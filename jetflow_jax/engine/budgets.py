@@ -34,6 +34,7 @@ from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budge
                                          optimistic_tau, probe_index, save_head_record)
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
+from jetflow_jax.partitioning import kernel_layout
 
 TIMED_STEPS = 3  # after one untimed step; the fastest counts (a busy machine only adds time)
 
@@ -48,6 +49,7 @@ def engine_cost_key(engine: Engine) -> dict:
   key["engine"] = {"tree": shape.kind, "top_k": shape.top_k, "ladder": list(engine.ladder),
                    "max_context": engine.max_context, "rounds_per_step": engine.rounds_per_step,
                    "attention": engine.impl,
+                   "kernels": kernel_layout(engine.target_params),
                    "mesh": None if engine.mesh is None else str(engine.mesh.mesh.shape)}
   return key
 
