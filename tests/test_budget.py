@@ -8,7 +8,8 @@ import pytest
 
 from jetflow_jax.decoding.budget import (LADDER, AcceptanceModel, CostTable, HeadRecord,
                                          best_budget, budget_ladder, choose_budget, cost_key,
-                                         draft_expected_tau, expected_tau, kept_seconds,
+                                         draft_expected_tau, expected_tau, first_look_index,
+                                         kept_seconds,
                                          load_cost_table, load_head_record, probe_index,
                                          save_cost_table, save_head_record)
 from jetflow_jax.errors import InputError
@@ -197,6 +198,15 @@ def test_a_probe_runs_only_where_it_can_pay_for_itself():
   assert probe_index(10**6, seconds_l * [1, 9, 9, 9], probe_l, hope_l, 1.0) == 0  # never pays
   # The budget worth most: at a higher hope the larger trees save more per token.
   assert probe_index(1000, seconds_l, probe_l, np.array([1.0, 2.0, 4.0, 8.0]), 0.5) == 3
+
+
+def test_a_drafter_never_seen_gets_one_look_that_risks_a_small_share():
+  seconds_l = np.array([1.0, 3.0, 2.5, 4.0])  # AR, 4, 8, 16: the 8-node round risks least
+  probe_l = seconds_l + 0.5  # each after a flush
+  # Worst case the look commits one token: it loses 2.0 at budget 8, against 3% of the AR time.
+  assert first_look_index(100, seconds_l, probe_l, 0.03) == 2  # 2.0 <= 3.0
+  assert first_look_index(50, seconds_l, probe_l, 0.03) == 0  # 2.0 > 1.5: too short to look
+  assert first_look_index(100, seconds_l[:1], probe_l[:1], 0.03) == 0  # AR only: nothing to try
 
 
 def test_head_record_prior_chance_and_file(tmp_path):

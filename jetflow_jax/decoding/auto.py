@@ -10,7 +10,8 @@ this drafter's past probes, times what trees could save over the tokens left, ag
 the probe costs, the flush of the held-back context included), and probes are spaced so that
 they cost a small share of the AR time. A row never drafted starts from what this drafter
 accepted in past runs on this target (`budget.HeadRecord`), or from AR for a drafter never
-seen. Every budget's round is one compiled variant; its time and the flush's are measured once
+seen, which gets one look: the probe that risks least, where that is a small share of the
+request (`budget.first_look_index`). Every budget's round is one compiled variant; its time and the flush's are measured once
 per shape (a few rounds on copies of the state) and kept, in this process and in the cost
 tables file (`budget.cost_tables_path()`), with the drafter's record, for the next.
 """
@@ -28,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budget, budget_ladder,
-                                         cost_key, cost_tables_path, kept_seconds,
-                                         optimistic_tau, probe_index)
+                                         cost_key, cost_tables_path, first_look_index,
+                                         kept_seconds, optimistic_tau, probe_index)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.decoding.state import DecodeState
 from jetflow_jax.distributed import agreed, to_host
@@ -39,6 +40,8 @@ TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest co
 # machine only ever adds time)
 AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
 PROBE_SHARE = 0.02  # probes spaced so that each costs at most this share of the AR rounds between
+FIRST_LOOK_SHARE = 0.05  # a drafter never seen gets one probe that risks at most this share of
+# the request's AR time (`budget.first_look_index`)
 STREAM_INTERVAL_S = 0.05
 
 _seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
@@ -183,6 +186,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       if not index and may_probe and (first_probe or model.probe_due(live_b)):
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
         index = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
+        if not index and first_probe:
+          index = first_look_index(remaining, seconds_l, probe_seconds_l, FIRST_LOOK_SHARE)
         probing, may_probe, first_probe = index > 0, index > 0, False
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       runs = 1 if index else min(ar_run, wait) if may_probe else ar_run

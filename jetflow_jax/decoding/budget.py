@@ -431,6 +431,22 @@ def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance
   return index if value_l[index] > 0 else 0
 
 
+def first_look_index(remaining: float, seconds_l, probe_seconds_l, share: float) -> int:
+  """The ladder index of the probe that looks at a drafter never seen, 0 for none: the one that
+  risks least, where that is at most `share` of the `remaining` tokens' AR time.
+
+  A probe commits at least the one token an AR round would, so at worst it loses
+  `probe_seconds_l[n] - seconds_l[0]`; with no record of the drafter, `probe_index` cannot
+  weigh what it may find, and without a look the drafter would stay unseen for good.
+  """
+  seconds_l = np.asarray(seconds_l, np.float64)
+  risk_l = np.asarray(probe_seconds_l, np.float64)[1:] - seconds_l[0]
+  if not risk_l.size:
+    return 0
+  index = int(np.argmin(risk_l))
+  return index + 1 if risk_l[index] <= share * remaining * seconds_l[0] else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """A chosen budget (`choose_budget`)."""

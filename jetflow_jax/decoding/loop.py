@@ -338,6 +338,9 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   start = time.perf_counter()
   state = prefill_fn(target_params, drafter_params, *args)
   if auto:
+    # The prefill finishes on the clock: calibration waits for the state it copies, and that
+    # wait must not be left out with it.
+    state = jax.block_until_ready(state)
     calibrating = time.perf_counter()  # on copies of the state; its time is left out below
     width = rows.prompt_bt.shape[1]
     seconds_l, flush_s = (round_seconds(specs, advance_l, flush_fn, state, width, cache_size,
