@@ -25,13 +25,14 @@ class Job:
     env = dict(CLI_ENV, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
     self.logs = [os.path.join(log_dir, f"{name}.{p}.log") for p in range(num_processes)]
+    self.errs = [os.path.join(log_dir, f"{name}.{p}.err") for p in range(num_processes)]
     self.processes = []
-    for p, log in enumerate(self.logs):
-      with open(log, "w") as out:
+    for p, (log, err) in enumerate(zip(self.logs, self.errs)):
+      with open(log, "w") as out, open(err, "w") as errors:
         self.processes.append(subprocess.Popen(
             [sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
              f"--num_processes={num_processes}", f"--process_id={p}"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+            cwd=ROOT, env=env, stdout=out, stderr=errors))
 
   def wait(self, timeout: float) -> list[int]:
     """Every process's exit code; raises if any is still running after `timeout` seconds."""
@@ -40,9 +41,15 @@ class Job:
       p.wait(max(deadline - time.time(), 0.1))
     return [p.returncode for p in self.processes]
 
-  def output(self, p: int) -> str:
+  def stdout(self, p: int) -> str:
     with open(self.logs[p]) as f:
       return f.read()
+
+  def output(self, p: int) -> str:
+    """Process p's stdout, then its stderr (where XLA's and Gloo's own log lines go, at any
+    time: a slow compile under load prints several)."""
+    with open(self.errs[p]) as f:
+      return self.stdout(p) + f.read()
 
   def kill(self) -> None:
     for p in self.processes:
