@@ -238,10 +238,11 @@ def greedy_spec(config, drafter, tree_shape, impl: str) -> RoundSpec:
 def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch: int = 1,
                   length: int | None = None, attention: str | None = None,
                   trace_dir: str | None = None, trace_rounds: int = 3, seed: int = 0,
-                  kernel_layout: str | None = None) -> dict:
+                  kernel_layout: str = "auto") -> dict:
   """Compiles the AR and the JetFlow device loop at one shape, counts each round's kernels,
   and with `trace_dir` traces `trace_rounds` rounds of each; returns the JSON record. The
-  target's and head's kernels are stored in `kernel_layout` (default: the backend's fastest)."""
+  target's and head's kernels are stored in `kernel_layout` (auto: the backend's fastest,
+  `model.decode_kernel_layout`)."""
   shapes = PRESETS[preset]
   base = step_costs.PRESETS[shapes.base]
   config, head_config = step_costs.preset_pair(base, shapes.layers, shapes.vocab)
@@ -252,7 +253,7 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
     raise InputError("--length must be >= 2, --batch and --trace-rounds >= 1")
   validate_tree_args(depth, config.vocab_size, budget, top_k)
   capacity = length + (trace_rounds + 2) * (depth + 1)  # room for the traced rounds
-  layout = kernel_layout or decode_kernel_layout()
+  layout = decode_kernel_layout() if kernel_layout == "auto" else kernel_layout
   target_abs = abstract_params(config, dtype, layout)
   head_abs = jax.eval_shape(lambda: with_kernel_layout(
       init_head_params(head_config, jax.random.key(0), dtype), layout))
@@ -266,8 +267,8 @@ def profile_round(preset: str = "tiny", budget: int = 64, top_k: int = 7, batch:
                             TreeShape("top_n", budget, top_k), impl, head_abs)}
   params = None
   record = dict(preset=preset, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                dtype=jnp.dtype(dtype).name, kernel_layout=layout, batch=batch, committed_length=length,
-                budget=budget, top_k=top_k, attention=impl, methods={})
+                dtype=jnp.dtype(dtype).name, kernel_layout=layout, batch=batch,
+                committed_length=length, budget=budget, top_k=top_k, attention=impl, methods={})
   for name, (drafter, shape, method_impl, drafter_abs) in methods.items():
     spec = greedy_spec(config, drafter, shape, method_impl)
     start = time.perf_counter()
@@ -314,8 +315,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--trace", help="record a jax.profiler trace of each loop under this folder")
   parser.add_argument("--trace-rounds", type=int, default=3, help="rounds traced per loop")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--kernel-layout", choices=("in_out", "out_in"),
-                      help="how projection kernels are stored (default: the backend's fastest)")
+  parser.add_argument("--kernel-layout", choices=("auto", "in_out", "out_in"), default="auto",
+                      help="how projection kernels are stored (auto: the backend's fastest, "
+                           "model.decode_kernel_layout)")
   parser.add_argument("--out", help="JSON path (default bench/results/profile_round_<preset>.json)")
   return parser.parse_args(argv)
 

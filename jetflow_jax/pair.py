@@ -187,9 +187,9 @@ def load_pair(checkpoint: str | None = None, head: str | None = None, method: st
                               None if decode_mesh is None else decode_mesh.param_shardings)
   head_config, head_params = load_head_for(method, head, embedded_target, dtype)
   if decode_mesh is None:  # one device decodes from its backend's fastest kernel layout
-    params = with_kernel_layout(params, decode_kernel_layout())
-    if head_params is not None:
-      head_params = with_kernel_layout(head_params, decode_kernel_layout())
+    layout = decode_kernel_layout()
+    params = with_kernel_layout(params, layout)
+    head_params = None if head_params is None else with_kernel_layout(head_params, layout)
   name = EMBEDDED_NAME if embedded_target else os.path.basename(os.path.normpath(checkpoint))
   return Pair(checkpoint=target, name=name, config=config, params=params, method=method,
               head_config=head_config, head_params=head_params,

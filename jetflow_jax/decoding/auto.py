@@ -11,9 +11,10 @@ the probe costs, the flush of the held-back context included), and probes are sp
 they cost a small share of the AR time. A row never drafted starts from what this drafter
 accepted in past runs on this target (`budget.HeadRecord`), or from AR for a drafter never
 seen, which gets one look: the probe that risks least, where that is a small share of the
-request (`budget.first_look_index`). Every budget's round is one compiled variant; its time and the flush's are measured once
-per shape (a few rounds on copies of the state) and kept, in this process and in the cost
-tables file (`budget.cost_tables_path()`), with the drafter's record, for the next.
+request (`budget.first_look_index`). Every budget's round is one compiled variant; its time
+and the flush's are measured once per shape (a few rounds on copies of the state) and kept, in
+this process and in the cost tables file (`budget.cost_tables_path()`), with the drafter's
+record, for the next.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def head_record_key(spec: RoundSpec, drafter_params) -> dict:
 
 
 def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_width: int,
-                  capacity: int, kernel_layout: str = "in_out") -> dict:
+                  capacity: int, kernel_layout: str) -> dict:
   """What the device loop's round times depend on: the device, the model's and head's shapes
   and how their kernels are stored, the rows, and the loop's tree, ladder, prompt bucket, cache
   and kernel."""
@@ -105,7 +106,7 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
 
 def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
                   flush: Callable | None, state: DecodeState, prompt_width: int,
-                  capacity: int, kernel_layout: str = "in_out") -> tuple[np.ndarray, float]:
+                  capacity: int, kernel_layout: str) -> tuple[np.ndarray, float]:
   """(seconds of a round at each spec's budget, seconds of `flush`) on this device and these
   shapes: measured on copies of `state` the first time, and kept (in this process, and in the
   cost tables file `budget.cost_tables_path()` for the next)."""
