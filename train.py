@@ -24,7 +24,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jetflow_jax import cli, distributed
+from jetflow_jax import cli, compile_cache, distributed
 from jetflow_jax.config_files import load_config_file
 from jetflow_jax.errors import JetflowError
 
@@ -84,6 +84,7 @@ def main(argv):
       print(json.dumps(report) if _JSON.value else memory_report.format_report(report))
       return
     distributed.initialize_from_flags()  # before anything touches a device
+    compile_cache.enable()  # a resumed or repeated run loads its train step instead of compiling
     from jetflow_jax.train import setup
     if _VALIDATE_ONLY.value:
       print(setup.validate(config))
