@@ -183,7 +183,8 @@ def decode_py_part(args, tables: Tables) -> dict:
                            "--json"], capture_output=True, text=True, check=True)
     record = json.loads(done.stdout)
     runs.append({k: record[k] for k in ("speedup", "identical_to_ar", "budgets", "wall_s",
-                                         "ar_wall_s", "calibrate_s", "warmup_s")})
+                                         "ar_wall_s", "compared_wall_s", "calibrate_s",
+                                         "warmup_s")})
     runs[-1]["prompt"] = prompt
   speedups = [r["speedup"] for r in runs]
   return {"runs": runs, "median_speedup": statistics.median(speedups),

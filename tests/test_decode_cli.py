@@ -36,6 +36,7 @@ def test_jetflow_json_reports_statistics_and_equals_ar(target_and_head):
   assert out["method"] == "jetflow"
   assert out["token_ids"] == generate(params, config, [[1, 2, 3, 4]], 12).tokens[0]
   assert out["identical_to_ar"] is True and out["speedup"] > 0 and out["ar_wall_s"] > 0
+  assert out["speedup"] == pytest.approx(out["ar_wall_s"] / out["compared_wall_s"], rel=0.01)
   assert len(out["rows"]) == 2 and out["rows"][0]["token_ids"] == out["rows"][1]["token_ids"]
   assert sum(out["accepted_lengths"]) == len(out["token_ids"]) - 1  # the prefill gives the first
   assert out["num_target_forwards"] == len(out["accepted_lengths"]) + 1
