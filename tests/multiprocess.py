@@ -27,12 +27,16 @@ class Job:
     self.logs = [os.path.join(log_dir, f"{name}.{p}.log") for p in range(num_processes)]
     self.errs = [os.path.join(log_dir, f"{name}.{p}.err") for p in range(num_processes)]
     self.processes = []
-    for p, (log, err) in enumerate(zip(self.logs, self.errs)):
-      with open(log, "w") as out, open(err, "w") as errors:
-        self.processes.append(subprocess.Popen(
-            [sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
-             f"--num_processes={num_processes}", f"--process_id={p}"],
-            cwd=ROOT, env=env, stdout=out, stderr=errors))
+    try:
+      for p, (log, err) in enumerate(zip(self.logs, self.errs)):
+        with open(log, "w") as out, open(err, "w") as errors:
+          self.processes.append(subprocess.Popen(
+              [sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
+               f"--num_processes={num_processes}", f"--process_id={p}"],
+              cwd=ROOT, env=env, stdout=out, stderr=errors))
+    except BaseException:  # a later start failed: the ones already started must not outlive it
+      self.kill()
+      raise
 
   def wait(self, timeout: float) -> list[int]:
     """Every process's exit code; raises if any is still running after `timeout` seconds."""
