@@ -84,7 +84,18 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   assert steep.tokens == reference and set(steep.budgets) == {1}
   # ... finished by AR rounds that keep no taps, compiled beside the ladder's programs.
   assert any(isinstance(key[-1], RoundSpec) and not key[-1].taps for key in compiled.entries)
-  assert json.loads(path.read_text())["heads"][0]["probes"] == 0
+  (unseen,) = json.loads(path.read_text())["heads"]
+  assert unseen["probes"] == 0 and unseen["unseen_s"] == len(steep.budgets)  # 1 s an AR round
+  # A look that risks 3 s, more than 5% of one request's AR time, is taken once the drafter's
+  # earlier unseen AR time makes it a small share.
+  table["seconds"] = {m: {n: [3.0 if m == "tree" else 1.0] for n in by_n}
+                      for m, by_n in table["seconds"].items()}
+  unseen["unseen_s"] = 60.0
+  path.write_text(json.dumps({"tables": [table], "heads": [unseen]}))
+  monkeypatch.setattr(auto, "_seconds", {})
+  looked = choose()
+  assert looked.tokens == reference and looked.budgets[0] > 1
+  assert json.loads(path.read_text())["heads"][0]["probes"] == 1
   # Flat costs, and a record of this head's good drafts: trees from the first round.
   table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}
   record.update(observed=40.0, predicted=40.0, drafts=10.0,

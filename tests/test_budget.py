@@ -1,17 +1,18 @@
 """The budget chooser's pieces on synthetic inputs: ladder, expected tokens, calibration, costs."""
 
+import json
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from jetflow_jax.decoding.budget import (LADDER, AcceptanceModel, CostTable, HeadRecord,
-                                         best_budget, budget_ladder, choose_budget, cost_key,
-                                         draft_expected_tau, expected_tau, first_look_index,
-                                         kept_seconds,
-                                         load_cost_table, load_head_record, probe_index,
-                                         save_cost_table, save_head_record)
+from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, AcceptanceModel, CostTable,
+                                         HeadRecord, best_budget, budget_ladder, choose_budget,
+                                         cost_key, draft_expected_tau, expected_tau,
+                                         first_look_index, kept_seconds, load_cost_table,
+                                         load_head_record, probe_index, save_cost_table,
+                                         save_head_record)
 from jetflow_jax.errors import InputError
 from jetflow_jax.tree import build_tree, build_tree_accum
 
@@ -98,6 +99,29 @@ def test_acceptance_model_calibrates_each_row_and_falls_back_to_the_prior():
   # Estimates never exceed what a budget can commit, nor fall below the bonus token.
   model.update(np.array([[1.0, 9.0, 30.0]] * 2), np.array([20.0, 1.0]), budget=16)
   assert np.all(model.estimate() <= np.array(ladder)) and np.all(model.estimate() >= 1.0)
+
+
+def test_a_known_drafter_seeds_each_rows_calibration():
+  """A drafter whose record says it accepts half its predicted gain: one round that accepts
+  nothing moves a row by one round's weight against PRIOR_DRAFTS drafts of the record, and
+  AR rounds after it drift the draft back to the record's, not the row's ratio."""
+  ladder = (1, 4, 16)
+  record = HeadRecord({}, ladder, observed=299.0, predicted=599.0, drafts=50.0,
+                      predicted_gain_l=np.array([0.0, 150.0, 600.0]))
+  ratio = 300 / 600
+  np.testing.assert_allclose(record.prior_tau(), [1.0, 1 + ratio * 3, 1 + ratio * 12])
+  model = record.acceptance_model(rows=1, explore_every=32)
+  np.testing.assert_allclose(model.estimate()[0], record.prior_tau())
+  model.update(np.array([[1.0, 4.0, 13.0]]), np.array([1.0]), budget=16)  # gain 0 of 12
+  weight = PRIOR_DRAFTS * 599 / 50
+  row_ratio = ratio * weight / (weight + 12)
+  np.testing.assert_allclose(model.estimate()[0], [1.0, 1 + row_ratio * 3, 1 + row_ratio * 12])
+  for _ in range(100):
+    model.update(None, None, budget=1)
+  np.testing.assert_allclose(model.estimate()[0], [1.0, 1 + row_ratio * 3, 1 + row_ratio * 12])
+  # Without a record: the old defaults (ratio 1 weighing 4 predicted tokens), drift to AR.
+  fresh = HeadRecord({}, ladder).acceptance_model(rows=1, explore_every=32)
+  assert fresh.prior_ratio == 1.0 and fresh.prior_weight == 4.0 and fresh.prior_gain_l is None
 
 
 def table(rows, ar, tree_by_budget, method="jetflow"):
@@ -207,6 +231,9 @@ def test_a_drafter_never_seen_gets_one_look_that_risks_a_small_share():
   assert first_look_index(100, seconds_l, probe_l, 0.03) == 2  # 2.0 <= 3.0
   assert first_look_index(50, seconds_l, probe_l, 0.03) == 0  # 2.0 > 1.5: too short to look
   assert first_look_index(100, seconds_l[:1], probe_l[:1], 0.03) == 0  # AR only: nothing to try
+  # What the look finds is kept: the drafter's earlier AR time unseen counts with the request's.
+  assert first_look_index(50, seconds_l, probe_l, 0.03, unseen_s=16.0) == 0  # 2.0 > 1.98
+  assert first_look_index(50, seconds_l, probe_l, 0.03, unseen_s=17.0) == 2  # 2.0 <= 2.01
 
 
 def test_head_record_prior_chance_and_file(tmp_path):
@@ -221,7 +248,7 @@ def test_head_record_prior_chance_and_file(tmp_path):
   record.add_drafts(predicted, np.array([2.0, 9.0]), 16, [True, False])
   ratio = (1 + 2 + 1 + 1) / (3 * 3 + 1)  # observed over predicted gains, one pseudo-count each
   np.testing.assert_allclose(record.prior_tau(), [1.0, 1.0 + ratio * 1.0, 1.0 + ratio * 3.0])
-  record.probes, record.wins = 3.0, 2.0
+  record.probes, record.wins, record.unseen_s = 3.0, 2.0, 1.5
   assert record.win_chance() == 0.6
   path = str(tmp_path / "costs.json")
   save_cost_table(path, CostTable(key={"device": "d"}, rows=(1,), seconds={"ar": {1: (1.0,)}}))
@@ -232,6 +259,11 @@ def test_head_record_prior_chance_and_file(tmp_path):
   assert load_cost_table(path, {"device": "d"}) is not None
   assert load_head_record(path, {"head": "other"}, ladder).drafts == 0
   assert load_head_record(path, {"head": "h"}, (1, 4)).drafts == 0  # another ladder: afresh
+  kept = json.loads((tmp_path / "costs.json").read_text())
+  del kept["heads"][0]["unseen_s"]  # a record kept before unseen_s was counted
+  (tmp_path / "costs.json").write_text(json.dumps(kept))
+  assert load_head_record(path, {"head": "h"}, ladder).unseen_s == 0 and load_head_record(
+      path, {"head": "h"}, ladder).drafts == record.drafts
   (tmp_path / "costs.json").write_text('{"heads": [{"key": {"head": "h"}, "drafts": -1}]}')
   assert load_head_record(path, {"head": "h"}, ladder).drafts == 0  # damaged: afresh
   # Old runs fade: a record weighs at most HEAD_RECORD_CAP rows, ratios kept.

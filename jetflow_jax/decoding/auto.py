@@ -10,11 +10,12 @@ this drafter's past probes, times what trees could save over the tokens left, ag
 the probe costs, the flush of the held-back context included), and probes are spaced so that
 they cost a small share of the AR time. A row never drafted starts from what this drafter
 accepted in past runs on this target (`budget.HeadRecord`), or from AR for a drafter never
-seen, which gets one look: the probe that risks least, where that is a small share of the
-request (`budget.first_look_index`). Every budget's round is one compiled variant; its time
-and the flush's are measured once per shape (a few rounds on copies of the state) and kept, in
-this process and in the cost tables file (`budget.cost_tables_path()`), with the drafter's
-record, for the next.
+seen, which gets one look: the probe that risks least, once that is a small share of the AR
+time of the request and of the drafter's earlier unseen runs (`budget.first_look_index`); a
+row's calibration starts from the record too (`HeadRecord.acceptance_model`). Every budget's
+round is one compiled variant; its time and the flush's are measured once per shape (a few
+rounds on copies of the state) and kept, in this process and in the cost tables file
+(`budget.cost_tables_path()`), with the drafter's record, for the next.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budget, budget_ladder,
+from jetflow_jax.decoding.budget import (HeadRecord, best_budget, budget_ladder,
                                          cost_key, cost_tables_path, first_look_index,
                                          kept_seconds, optimistic_tau, probe_index)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
@@ -42,7 +43,7 @@ TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest co
 AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
 PROBE_SHARE = 0.02  # probes spaced so that each costs at most this share of the AR rounds between
 FIRST_LOOK_SHARE = 0.05  # a drafter never seen gets one probe that risks at most this share of
-# the request's AR time (`budget.first_look_index`)
+# the AR time spent with it, this request included (`budget.first_look_index`)
 STREAM_INTERVAL_S = 0.05
 
 _seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
@@ -154,15 +155,15 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
   (0: AR rounds commit their own, and `flush` may be None); `flush_s` is what a flush costs.
   `record` gives the prior of rows never drafted and the chance a probe wins, and takes in
-  what this run's drafts predicted, accepted and probed. `finish` (AR rounds that keep no
-  taps, as plain AR's) runs the rest of the request once nothing can draft in it again: no
-  probe pays, and AR beats every tree at the prior the rows drift back to. Returns (state, the
-  budget of every round).
+  what this run's drafts predicted, accepted and probed (or, for a drafter that has never
+  drafted, the AR time it ran). `finish` (AR rounds that keep no taps, as plain AR's) runs the
+  rest of the request once nothing can draft in it again: no probe pays, and AR beats every
+  tree at the prior the rows drift back to. Returns (state, the budget of every round).
   """
   rows = len(prompt_lengths_b)
   probe_seconds_l = np.asarray(seconds_l, np.float64) + (flush_s if pending else 0.0)
   cheapest_probe = float(np.min(probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
-  model = AcceptanceModel(ladder, rows, record.prior_tau(), explore_every=max(
+  model = record.acceptance_model(rows, explore_every=max(
       8, math.ceil(cheapest_probe / (PROBE_SHARE * seconds_l[0]))))
   hope_l = np.maximum(optimistic_tau(ladder), record.prior_tau())
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
@@ -188,7 +189,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
         index = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
         if not index and first_probe:
-          index = first_look_index(remaining, seconds_l, probe_seconds_l, FIRST_LOOK_SHARE)
+          index = first_look_index(remaining, seconds_l, probe_seconds_l, FIRST_LOOK_SHARE,
+                                   record.unseen_s)
         probing, may_probe, first_probe = index > 0, index > 0, False
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       runs = 1 if index else min(ar_run, wait) if may_probe else ar_run
@@ -230,4 +232,6 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
       on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
       streamed = time.perf_counter()
+  if record.drafts == 0:
+    record.unseen_s += budgets.count(1) * float(seconds_l[0])
   return state, budgets

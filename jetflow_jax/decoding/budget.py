@@ -88,7 +88,10 @@ class AcceptanceModel:
   `prior_weight` predicted tokens, old rounds fading by `decay`. Its estimate at each budget is
   1 + ratio x (the last draft's predicted gain there). A row with no draft yet is estimated by
   `prior_tau_l`, and a row kept on AR drifts back to it (the last draft's weight falls by
-  `decay` per AR round); after `explore_every` AR rounds in a row `probe_due` asks for a tree.
+  `decay` per AR round); with `prior_gain_l` (the gains past drafts predicted on average) it
+  drifts back to 1 + its own ratio x `prior_gain_l` instead, so that what its rounds accepted
+  is not forgotten with the draft. After `explore_every` AR rounds in a row `probe_due` asks
+  for a tree.
   """
 
   ladder: tuple[int, ...]
@@ -98,6 +101,7 @@ class AcceptanceModel:
   prior_weight: float = 4.0
   decay: float = 0.9
   explore_every: int = 32
+  prior_gain_l: np.ndarray | None = None
 
   def __post_init__(self):
     self.prior_tau_l = np.asarray(self.prior_tau_l, np.float64)
@@ -145,7 +149,9 @@ class AcceptanceModel:
     drafted_bl = 1.0 + self.ratio_b()[:, None] * (np.nan_to_num(self.last_bl, nan=1.0) - 1.0)
     # The last draft's weight: 1 right after it, fading with each AR round, 0 before any.
     fresh_b1 = np.where(np.isnan(self.last_bl[:, :1]), 0.0, self.decay ** self.ar_rounds_b[:, None])
-    tau_bl = fresh_b1 * drafted_bl + (1.0 - fresh_b1) * self.prior_tau_l
+    drift_bl = (self.prior_tau_l[None] if self.prior_gain_l is None
+                else 1.0 + self.ratio_b()[:, None] * self.prior_gain_l)
+    tau_bl = fresh_b1 * drafted_bl + (1.0 - fresh_b1) * drift_bl
     return np.clip(tau_bl, 1.0, np.asarray(self.ladder, np.float64))
 
   def probe_due(self, active_b=None) -> bool:
@@ -320,6 +326,8 @@ def optimistic_tau(ladder: Sequence[int]) -> np.ndarray:
 
 
 HEAD_RECORD_CAP = 4096.0  # drafting rows a head record weighs at most: older runs fade
+PRIOR_DRAFTS = 4.0  # a row's calibration starts at its drafter's record, weighing this many drafts
+_RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s")  # as kept
 
 
 @dataclasses.dataclass
@@ -330,7 +338,9 @@ class HeadRecord:
   The prior of a row this drafter has not drafted yet is `prior_tau()`: its past calibration
   (observed over predicted gains) times the gain its drafts predicted on average, or AR (1
   token at every budget) for a drafter never seen. `win_chance()` is how often a probe found
-  trees paying, Beta(1, 1) before any probe.
+  trees paying, Beta(1, 1) before any probe. `unseen_s` is the AR time spent with a drafter
+  never seen: its first look is priced against that use as well as the request's
+  (`first_look_index`).
   """
 
   key: dict
@@ -341,6 +351,7 @@ class HeadRecord:
   drafts: float = 0.0  # drafting rows summed in the above
   probes: float = 0.0
   wins: float = 0.0  # probes after which the next round drafted again
+  unseen_s: float = 0.0  # estimated seconds of AR rounds run before the drafter's first draft
 
   def __post_init__(self):
     self.ladder = tuple(self.ladder)
@@ -351,9 +362,24 @@ class HeadRecord:
   def prior_tau(self) -> np.ndarray:
     if self.drafts <= 0:
       return np.ones(len(self.ladder))
-    ratio = (self.observed + 1.0) / (self.predicted + 1.0)
-    tau_l = 1.0 + ratio * self.predicted_gain_l / self.drafts
+    tau_l = 1.0 + self.ratio() * self.predicted_gain_l / self.drafts
     return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
+
+  def ratio(self) -> float:
+    """Observed over predicted gains, one pseudo-count each."""
+    return (self.observed + 1.0) / (self.predicted + 1.0)
+
+  def acceptance_model(self, rows: int, explore_every: int) -> AcceptanceModel:
+    """A model of `rows` rows that starts from this record: rows never drafted at
+    `prior_tau()`, and each row's calibration at the record's ratio, weighing as much as
+    `PRIOR_DRAFTS` of its drafts, so that one unlucky round moves a well-known drafter no more
+    than its past rounds warrant."""
+    if self.drafts <= 0:
+      return AcceptanceModel(self.ladder, rows, self.prior_tau(), explore_every=explore_every)
+    return AcceptanceModel(
+        self.ladder, rows, self.prior_tau(), prior_ratio=self.ratio(),
+        prior_weight=max(4.0, PRIOR_DRAFTS * self.predicted / self.drafts),
+        explore_every=explore_every, prior_gain_l=self.predicted_gain_l / self.drafts)
 
   def win_chance(self) -> float:
     return (self.wins + 1.0) / (self.probes + 2.0)
@@ -373,14 +399,13 @@ class HeadRecord:
       self.predicted_gain_l = self.predicted_gain_l * fade
 
   def as_array(self) -> np.ndarray:
-    return np.concatenate([[self.observed, self.predicted, self.drafts, self.probes, self.wins],
+    return np.concatenate([[getattr(self, f) for f in _RECORD_NUMBERS],
                            self.predicted_gain_l]).astype(np.float64)
 
   def with_array(self, values) -> HeadRecord:
     values = np.asarray(values, np.float64)
-    return dataclasses.replace(self, observed=float(values[0]), predicted=float(values[1]),
-                               drafts=float(values[2]), probes=float(values[3]),
-                               wins=float(values[4]), predicted_gain_l=values[5:])
+    numbers = {f: float(v) for f, v in zip(_RECORD_NUMBERS, values)}
+    return dataclasses.replace(self, **numbers, predicted_gain_l=values[len(numbers):])
 
 
 def load_head_record(path: str | None, key: dict, ladder: Sequence[int]) -> HeadRecord:
@@ -392,9 +417,11 @@ def load_head_record(path: str | None, key: dict, ladder: Sequence[int]) -> Head
   values = record.as_array()
   if found is not None:
     try:
-      read = np.asarray([found[f] for f in ("observed", "predicted", "drafts", "probes", "wins")]
-                        + list(found["predicted_gain_l"]), np.float64)
-      if read.shape == values.shape and np.all(np.isfinite(read)) and np.all(read[2:5] >= 0):
+      found.setdefault("unseen_s", 0.0)  # a record kept before it was counted
+      read = np.asarray([found[f] for f in _RECORD_NUMBERS] + list(found["predicted_gain_l"]),
+                        np.float64)
+      if (read.shape == values.shape and np.all(np.isfinite(read))
+          and np.all(read[2:len(_RECORD_NUMBERS)] >= 0)):
         values = read
     except (KeyError, TypeError, ValueError):  # a damaged record: start afresh
       pass
@@ -407,8 +434,7 @@ def save_head_record(path: str | None, record: HeadRecord) -> None:
     return
   try:
     _save_record(path, "heads", {
-        "key": record.key, "observed": record.observed, "predicted": record.predicted,
-        "drafts": record.drafts, "probes": record.probes, "wins": record.wins,
+        "key": record.key, **{f: getattr(record, f) for f in _RECORD_NUMBERS},
         "predicted_gain_l": record.predicted_gain_l.tolist()})
   except OSError as e:
     warnings.warn(f"cannot keep what the drafter accepted in {path} ({e.strerror or e})")
@@ -431,20 +457,25 @@ def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance
   return index if value_l[index] > 0 else 0
 
 
-def first_look_index(remaining: float, seconds_l, probe_seconds_l, share: float) -> int:
+def first_look_index(remaining: float, seconds_l, probe_seconds_l, share: float,
+                     unseen_s: float = 0.0) -> int:
   """The ladder index of the probe that looks at a drafter never seen, 0 for none: the one that
-  risks least, where that is at most `share` of the `remaining` tokens' AR time.
+  risks least, where that is at most `share` of the AR time of the `remaining` tokens and of
+  the `unseen_s` seconds the drafter has already run unseen.
 
   A probe commits at least the one token an AR round would, so at worst it loses
   `probe_seconds_l[n] - seconds_l[0]`; with no record of the drafter, `probe_index` cannot
-  weigh what it may find, and without a look the drafter would stay unseen for good.
+  weigh what it may find, and without a look the drafter would stay unseen for good. What the
+  look finds is kept for later requests, so it is priced against all of the drafter's use so
+  far: short requests that could not afford it alone add up until one can, and the look never
+  costs more than `share` of the AR time spent with the drafter.
   """
   seconds_l = np.asarray(seconds_l, np.float64)
   risk_l = np.asarray(probe_seconds_l, np.float64)[1:] - seconds_l[0]
   if not risk_l.size:
     return 0
   index = int(np.argmin(risk_l))
-  return index + 1 if risk_l[index] <= share * remaining * seconds_l[0] else 0
+  return index + 1 if risk_l[index] <= share * (remaining * seconds_l[0] + unseen_s) else 0
 
 
 @dataclasses.dataclass(frozen=True)
