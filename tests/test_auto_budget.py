@@ -11,8 +11,8 @@ import pytest
 
 import jetflow_jax
 from jetflow_jax import calibrate
-from jetflow_jax.decoding import TreeShape, auto, decode_prompts
-from jetflow_jax.decoding.auto import auto_specs
+from jetflow_jax.decoding import TreeShape, auto, decode_prompts, loop
+from jetflow_jax.decoding.auto import auto_specs, run_auto
 from jetflow_jax.decoding.loop import (PENDING_ROUNDS, batch_rows, compile_decode, compile_flush,
                                        compiled, pending_rounds)
 from jetflow_jax.decoding.round import RoundSpec
@@ -96,6 +96,22 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   looked = choose()
   assert looked.tokens == reference and looked.budgets[0] > 1
   assert json.loads(path.read_text())["heads"][0]["probes"] == 1
+  # Known now, and trees 100x an AR round: no probe can pay in the request, so from the first
+  # decision it runs through `finish`, plain AR's program (it once kept taps back to the end).
+  table["seconds"]["tree"] = {n: [100.0] for n in table["seconds"]["tree"]}
+  path.write_text(json.dumps({"tables": [table], "heads": json.loads(path.read_text())["heads"]}))
+  monkeypatch.setattr(auto, "_seconds", {})
+  ran = []
+
+  def counting(state, advance_l, *args):  # run_auto(state, advance_l, ..., finish)
+    count = lambda name, fn: lambda *a: ran.append(name) or fn(*a)
+    return run_auto(state, [count("ladder", fn) for fn in advance_l], *args[:-1],
+                    count("finish", args[-1]))
+
+  monkeypatch.setattr(loop, "run_auto", counting)
+  known = choose()
+  assert known.tokens == reference and set(known.budgets) == {1}
+  assert ran and set(ran) == {"finish"}
   # Flat costs, and a record of this head's good drafts: trees from the first round.
   table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}
   record.update(observed=40.0, predicted=40.0, drafts=10.0,

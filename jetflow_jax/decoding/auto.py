@@ -185,13 +185,16 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       index, runs = 0, ar_run
     elif schedule is None:
       index = best_budget(tokens_l, seconds_l, ladder).index
-      if not index and may_probe and (first_probe or model.probe_due(live_b)):
+      if not index and may_probe:
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
-        index = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
-        if not index and first_probe:
-          index = first_look_index(remaining, seconds_l, probe_seconds_l, FIRST_LOOK_SHARE,
-                                   record.unseen_s)
-        probing, may_probe, first_probe = index > 0, index > 0, False
+        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
+        if first_probe or model.probe_due(live_b):
+          index = worth or (first_look_index(remaining, seconds_l, probe_seconds_l,
+                                             FIRST_LOOK_SHARE, record.unseen_s)
+                            if first_probe else 0)
+          probing, may_probe, first_probe = index > 0, index > 0, False
+        elif not worth:  # no probe pays in what is left now, nor later with less left
+          may_probe = False
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       runs = 1 if index else min(ar_run, wait) if may_probe else ar_run
       prior_l = record.prior_tau() * live_b.sum()
