@@ -378,7 +378,8 @@ class HeadRecord:
       return AcceptanceModel(self.ladder, rows, self.prior_tau(), explore_every=explore_every)
     return AcceptanceModel(
         self.ladder, rows, self.prior_tau(), prior_ratio=self.ratio(),
-        prior_weight=max(4.0, PRIOR_DRAFTS * self.predicted / self.drafts),
+        prior_weight=max(AcceptanceModel.prior_weight,
+                         PRIOR_DRAFTS * self.predicted / self.drafts),
         explore_every=explore_every, prior_gain_l=self.predicted_gain_l / self.drafts)
 
   def win_chance(self) -> float:
