@@ -13,6 +13,8 @@ from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, AcceptanceModel, 
                                          first_look_index, kept_seconds, load_cost_table,
                                          load_head_record, probe_index, save_cost_table,
                                          save_head_record)
+from jetflow_jax.engine.budgets import BudgetChooser
+from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.errors import InputError
 from jetflow_jax.tree import build_tree, build_tree_accum
 
@@ -234,6 +236,42 @@ def test_a_drafter_never_seen_gets_one_look_that_risks_a_small_share():
   # What the look finds is kept: the drafter's earlier AR time unseen counts with the request's.
   assert first_look_index(50, seconds_l, probe_l, 0.03, unseen_s=16.0) == 0  # 2.0 > 1.98
   assert first_look_index(50, seconds_l, probe_l, 0.03, unseen_s=17.0) == 2  # 2.0 <= 2.01
+
+
+def test_the_engine_looks_at_a_new_drafter_and_starts_slots_from_its_record():
+  """The engine's chooser as the device loop's: a drafter never seen gets one look once the
+  AR steps spent with it make the look's risk a small share (FIRST_LOOK_SHARE, 5%), and a
+  known drafter's slots start from its record's calibration, re-read when a request arrives."""
+  ladder, seconds_l = (1, 4, 8), np.array([1.0, 3.0, 5.0])
+  busy, left = [True, True], [10, 10]
+
+  def output(committed, predicted_l):
+    return StepOutput(*[np.zeros((2, 1))] * 4, predicted_brl=np.tile(predicted_l, (2, 1, 1)),
+                      committed_br=np.full((2, 1), committed))
+
+  chooser = BudgetChooser(ladder, 2, seconds_l, rounds_per_step=1)
+  # 10 steps left cannot pay the look's worst case (2 s lost at budget 4) alone: 5% of 10 s.
+  # Each AR step adds its second to the drafter's unseen time, until 5% of 10 + 30 s covers it.
+  for _ in range(30):
+    assert chooser.choose(busy, left) == 1
+    chooser.record_step(1, output(1, [1.0, 1.0, 1.0]), busy)
+  assert chooser.record.unseen_s == 30.0
+  assert chooser.choose(busy, left) == 4  # the look: the tree that risks least
+  assert chooser.choose(busy, left) == 1  # one look, though the record has not heard of it yet
+  chooser.record_step(4, output(2, [1.0, 3.0, 4.0]), busy)  # gains 1 of 2 predicted a row
+  assert chooser.record.drafts == 2 and chooser.record.probes == 1
+  # A known drafter: each slot's calibration starts at its record's ratio (observed over
+  # predicted gains, one pseudo-count each).
+  record = chooser.record
+  assert chooser.model.prior_ratio == 1.0  # built before the drafter was seen
+  chooser.reset(0)
+  assert chooser.model.prior_ratio == record.ratio() == (2 + 1) / (4 + 1)
+  record.add_drafts(np.array([[1.0, 3.0, 8.0]] * 2), np.array([1.0, 1.0]), 8, busy)
+  chooser.reset(1)
+  assert chooser.model.prior_ratio == record.ratio() == (2 + 1) / (4 + 14 + 1)
+  np.testing.assert_allclose(chooser.model.estimate()[1], record.prior_tau())
+  known = BudgetChooser(ladder, 2, seconds_l, rounds_per_step=1, record=record)
+  assert known.model.prior_ratio == record.ratio() and known.model.prior_gain_l is not None
 
 
 def test_head_record_prior_chance_and_file(tmp_path):

@@ -369,18 +369,22 @@ class HeadRecord:
     """Observed over predicted gains, one pseudo-count each."""
     return (self.observed + 1.0) / (self.predicted + 1.0)
 
-  def acceptance_model(self, rows: int, explore_every: int) -> AcceptanceModel:
-    """A model of `rows` rows that starts from this record: rows never drafted at
+  def model_prior(self) -> dict:
+    """An `AcceptanceModel`'s prior fields from this record: rows never drafted at
     `prior_tau()`, and each row's calibration at the record's ratio, weighing as much as
     `PRIOR_DRAFTS` of its drafts, so that one unlucky round moves a well-known drafter no more
-    than its past rounds warrant."""
+    than its past rounds warrant. A drafter never seen: the model's defaults, AR."""
     if self.drafts <= 0:
-      return AcceptanceModel(self.ladder, rows, self.prior_tau(), explore_every=explore_every)
-    return AcceptanceModel(
-        self.ladder, rows, self.prior_tau(), prior_ratio=self.ratio(),
-        prior_weight=max(AcceptanceModel.prior_weight,
-                         PRIOR_DRAFTS * self.predicted / self.drafts),
-        explore_every=explore_every, prior_gain_l=self.predicted_gain_l / self.drafts)
+      return {"prior_tau_l": self.prior_tau(), "prior_ratio": 1.0,
+              "prior_weight": AcceptanceModel.prior_weight, "prior_gain_l": None}
+    return {"prior_tau_l": self.prior_tau(), "prior_ratio": self.ratio(),
+            "prior_weight": max(AcceptanceModel.prior_weight,
+                                PRIOR_DRAFTS * self.predicted / self.drafts),
+            "prior_gain_l": self.predicted_gain_l / self.drafts}
+
+  def acceptance_model(self, rows: int, explore_every: int) -> AcceptanceModel:
+    """A model of `rows` rows that starts from this record (`model_prior`)."""
+    return AcceptanceModel(self.ladder, rows, explore_every=explore_every, **self.model_prior())
 
   def win_chance(self) -> float:
     return (self.wins + 1.0) / (self.probes + 2.0)

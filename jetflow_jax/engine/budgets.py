@@ -6,11 +6,14 @@ ladder budget with the most expected committed tokens per second, from
   every slot busy, on a scratch state, and kept in a JSON cost table keyed by the device, the
   model shapes and the engine's, so the next start reuses it), and
 - what the busy slots' drafts predict at every budget, calibrated per slot against what each
-  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate starts, when its request
-  arrives, from what this drafter accepted before on this target, `decoding.budget.HeadRecord`,
-  kept beside the cost tables; a drafter never seen starts from AR). While AR runs, a tree is
-  probed only where the probe can pay for itself over the busy requests' tokens left
-  (`decoding.budget.probe_index`), and probes are spaced to a small share of the AR time.
+  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate and calibration start, when
+  its request arrives, from what this drafter accepted before on this target,
+  `decoding.budget.HeadRecord`, kept beside the cost tables; a drafter never seen starts from
+  AR). While AR runs, a tree is probed only where the probe can pay for itself over the busy
+  requests' tokens left (`decoding.budget.probe_index`), and probes are spaced to a small share
+  of the AR time. A drafter never seen gets one look as in the device loop: the step that
+  risks least, once that is a small share of the AR time spent with it, this server's and
+  earlier runs' (`decoding.budget.first_look_index`).
 
 Every budget's step variants run once at start-up before any request, also when their times
 come from the cost table (`warm_up_steps`): a program's first execution costs far more than the
@@ -28,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key
-from jetflow_jax.decoding.budget import (AcceptanceModel, HeadRecord, best_budget, cost_key,
-                                         cost_tables_path, kept_seconds, load_head_record,
+from jetflow_jax.decoding.auto import FIRST_LOOK_SHARE, PROBE_SHARE, head_record_key
+from jetflow_jax.decoding.budget import (HeadRecord, best_budget, cost_key, cost_tables_path,
+                                         first_look_index, kept_seconds, load_head_record,
                                          optimistic_tau, probe_index, save_head_record)
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
@@ -132,18 +135,18 @@ class BudgetChooser:
     self._save, self._saved = save, time.perf_counter()
     cheapest_tree = float(np.min(self.seconds_l[1:])) if len(ladder) > 1 else 0.0
     ar_steps = max(2, math.ceil(cheapest_tree / (PROBE_SHARE * self.seconds_l[0])))
-    self.model = AcceptanceModel(self.ladder, num_slots, self.record.prior_tau(),
-                                 explore_every=ar_steps * rounds_per_step)
+    self.model = self.record.acceptance_model(num_slots, explore_every=ar_steps * rounds_per_step)
     self.hope_l = np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
     self.chosen: collections.Counter[int] = collections.Counter()
     # Whether each chosen step not yet recorded is a probe (steps are read back a step late).
     self.probing: collections.deque[bool] = collections.deque()
-    self.first_probe = self.record.drafts == 0  # a drafter never seen may probe at once
+    self.may_look = self.record.drafts == 0  # a drafter never seen, not looked at yet
 
   def reset(self, slot: int) -> None:
     """A new request took `slot`: its estimate starts from the prior, what the drafter's
     record holds now (past runs and this one's requests so far)."""
-    self.model.prior_tau_l = self.record.prior_tau()
+    for name, value in self.record.model_prior().items():
+      setattr(self.model, name, value)
     self.model.reset([slot])
 
   def _tokens(self, busy_b) -> np.ndarray:
@@ -161,12 +164,16 @@ class BudgetChooser:
     else:
       index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
       if (not index and remaining_b is not None and len(self.ladder) > 1
-          and (self.first_probe or self.model.probe_due(busy_b))):
+          and (self.may_look or self.model.probe_due(busy_b))):
         # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
         steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
         index = probe_index(steps_left, self.seconds_l, self.seconds_l, self.hope_l,
                             self.record.win_chance())
-        probing, self.first_probe = index > 0, False
+        if self.may_look and not index:
+          index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
+                                   FIRST_LOOK_SHARE, self.record.unseen_s)
+        probing = index > 0
+        self.may_look = self.may_look and not probing
         if not index:  # try again after another spell of AR rounds
           self.model.ar_rounds_b[busy_b] = 0
       budget = self.ladder[index]
@@ -185,6 +192,8 @@ class BudgetChooser:
       self.model.update(output.predicted_brl[:, r], committed_b, budget, active_b)
       if budget > 1:
         self.record.add_drafts(output.predicted_brl[:, r], committed_b, budget, active_b)
+    if budget == 1 and self.record.drafts == 0 and valid_b.any():
+      self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
       self.record.wins += float(best_budget(self._tokens(valid_b), self.seconds_l,
