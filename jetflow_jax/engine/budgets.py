@@ -148,6 +148,7 @@ class BudgetChooser:
     for name, value in self.record.model_prior().items():
       setattr(self.model, name, value)
     self.model.reset([slot])
+    self.hope_l = np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
 
   def _tokens(self, busy_b) -> np.ndarray:
     tokens_l = self.model.estimate()[busy_b].sum(axis=0)
