@@ -5,11 +5,14 @@ Run from the repository root:
   python bench/serve_budgets.py                      # embedded pair, 8 slots, 1 / 4 / 8 clients
   python bench/serve_budgets.py --budgets 4,16,64 --requests 16 --repeats 2
 
-For each server (AR, JetFlow at each fixed budget, JetFlow auto), started in turn as a
-subprocess (`serve_load.start_server`: every variant compiled, and auto's step costs measured
-afresh, before it answers), the same greedy streamed completions of HumanEval prompts at each
-concurrency. The servers take turns `--repeats` times, so machine noise falls on all of them;
-each cell keeps its best run. Prints tokens/s per cell and auto / the best of the others, the
+For each server (AR, JetFlow at each fixed budget, JetFlow auto with no cost table and with
+one on disk), started in turn as a subprocess (`serve_load.start_server`: every variant
+compiled before it answers), the same greedy streamed completions of HumanEval prompts at each
+concurrency. Auto with no table measures its step costs at every start and meets the drafter
+for the first time; auto with the table on disk reads the costs and the drafter's record that
+an untimed first start (the same requests at the first concurrency) wrote, and keeps adding to
+it. The servers take turns `--repeats` times, their order rotated, so machine noise falls on
+all of them; each cell keeps its best run. Prints tokens/s per cell and each auto / the best of the others, the
 budgets auto chose, and writes bench/results/serve_budgets.json.
 """
 
@@ -61,9 +64,12 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                     "serve_budgets.json"))
   args = parser.parse_args()
-  os.environ["JETFLOW_COST_TABLES"] = ""  # auto measures its step costs at every start
-  servers = [("ar", "64")] + [("jetflow", b) for b in args.budgets.split(",")] + [
-      ("jetflow", "auto")]
+  tables = os.path.join(tempfile.mkdtemp(prefix="serve_budgets."), "cost_tables.json")
+  # (name, method, budget, cost tables file: "" keeps nothing)
+  servers = [("AR", "ar", "64", "")] + [(f"jetflow {b}", "jetflow", b, "")
+                                        for b in args.budgets.split(",")]
+  autos = [("jetflow auto", "jetflow", "auto", ""),
+           ("jetflow auto, table on disk", "jetflow", "auto", tables)]
   levels = [int(c) for c in args.concurrency.split(",")]
   tokenizer = load_tokenizer(embedded.default_target())
   room = args.context - args.max_tokens
@@ -71,47 +77,58 @@ def main() -> None:
              if len(tokenizer.encode(p, add_special_tokens=False)) <= room][:args.requests]
 
   best: dict[str, dict[int, float]] = {}
-  budgets_chosen: dict[int, dict] = {}
+  budgets_chosen: dict[str, dict[int, dict]] = {}
+
+  def serve(name: str, method: str, budget: str, tables: str, levels: list[int], timed: bool):
+    os.environ["JETFLOW_COST_TABLES"] = tables
+    settings = argparse.Namespace(method=method, slots=args.slots, context=args.context,
+                                  budget=budget)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w", prefix="serve_budgets.", suffix=".log",
+                                     delete=False) as log:
+      server = start_server(settings, port, log)
+      try:
+        for level in levels:
+          before = chosen_budgets(url) if budget == "auto" else {}
+          result = asyncio.run(run(url, prompts, level, args.max_tokens))
+          if not timed:
+            continue
+          cell = best.setdefault(name, {})
+          cell[level] = max(cell.get(level, 0.0), result["tokens_per_s"])
+          if budget == "auto":
+            after = chosen_budgets(url)
+            budgets_chosen.setdefault(name, {})[level] = {
+                k: after[k] - before.get(k, 0.0) for k in after if after[k] > before.get(k, 0.0)}
+      finally:
+        server.send_signal(signal.SIGTERM)  # the server keeps the drafter's record as it stops
+        server.wait(timeout=60)
+
+  serve(*autos[1], levels[:1], timed=False)  # writes the table and the record auto reads
   for repeat in range(args.repeats):
-    for method, budget in servers:
-      name = "AR" if method == "ar" else f"jetflow {budget}"
-      settings = argparse.Namespace(method=method, slots=args.slots, context=args.context,
-                                    budget=budget)
-      port = free_port()
-      url = f"http://127.0.0.1:{port}"
-      with tempfile.NamedTemporaryFile("w", prefix="serve_budgets.", suffix=".log",
-                                       delete=False) as log:
-        server = start_server(settings, port, log)
-        try:
-          for level in levels:
-            before = chosen_budgets(url) if budget == "auto" else {}
-            result = asyncio.run(run(url, prompts, level, args.max_tokens))
-            cell = best.setdefault(name, {})
-            cell[level] = max(cell.get(level, 0.0), result["tokens_per_s"])
-            if budget == "auto":
-              after = chosen_budgets(url)
-              budgets_chosen[level] = {k: after[k] - before.get(k, 0.0) for k in after
-                                       if after[k] > before.get(k, 0.0)}
-        finally:
-          server.send_signal(signal.SIGTERM)
-          server.wait(timeout=60)
-      print(f"repeat {repeat + 1}/{args.repeats}: {name} done", file=sys.stderr, flush=True)
+    turn = servers + autos
+    for server in turn[repeat % len(turn):] + turn[:repeat % len(turn)]:  # the order rotated
+      serve(*server, levels, timed=True)
+      print(f"repeat {repeat + 1}/{args.repeats}: {server[0]} done", file=sys.stderr, flush=True)
 
   names = list(best)
   print(f"{len(prompts)} HumanEval prompts x {args.max_tokens} tokens, greedy, {args.slots} "
         f"slots; completion tokens/s, best of {args.repeats}")
-  print("| clients | " + " | ".join(names) + " | auto / best other |")
-  print("|---" * (len(names) + 2) + "|")
+  print("| clients | " + " | ".join(names) + " | auto / best other | on disk / best other |")
+  print("|---" * (len(names) + 3) + "|")
   rows = []
   for level in levels:
-    others = max(best[n][level] for n in names if n != "jetflow auto")
-    ratio = best["jetflow auto"][level] / others
+    others = max(best[n][level] for n, *_ in servers)
+    ratios = {n: best[n][level] / others for n, *_ in autos}
     rows.append({"concurrency": level, "tokens_per_s": {n: best[n][level] for n in names},
-                 "auto_over_best_other": ratio, "auto_budgets": budgets_chosen.get(level)})
+                 "auto_over_best_other": ratios[autos[0][0]],
+                 "on_disk_over_best_other": ratios[autos[1][0]],
+                 "auto_budgets": {n: budgets_chosen[n][level] for n, *_ in autos}})
     print(f"| {level} | " + " | ".join(f"{best[n][level]:.1f}" for n in names)
-          + f" | {ratio:.2f} |")
+          + "".join(f" | {r:.2f}" for r in ratios.values()) + " |")
   for level in levels:
-    print(f"auto's steps at {level} clients: {budgets_chosen.get(level)}")
+    print(f"auto's steps at {level} clients: "
+          + "; ".join(f"{n}: {budgets_chosen[n][level]}" for n, *_ in autos))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"settings": vars(args), "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
