@@ -33,7 +33,7 @@ speculators-venv: $(STAMP)
 	-$(BIN)/python scripts/speculators_venv.py
 
 test: $(STAMP) speculators-venv
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=15 tests  # the slowest, to keep the suite in budget
 
 # Runs docs/guides/walkthrough.py once and every CLI's --help; Sphinx warnings fail the build.
 docs: $(DOCS_STAMP)
