@@ -79,11 +79,6 @@ def make_checkpoint(tmp_path):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # CLI subprocesses see one CPU device, like a user's shell (this process asks for four).
 CLI_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-# The test processes themselves keep the persistent compilation cache off (an in-process
-# server or CLI would turn it on for the rest of the worker): XLA:CPU crashed (SIGSEGV) twice
-# deserializing a cached executable in a test worker, in tests that never asked for the cache.
-# CLI subprocesses keep it, as a user's shell does.
-os.environ["JETFLOW_COMPILATION_CACHE"] = ""
 
 
 def run_cli(*args, timeout=900):
