@@ -12,8 +12,8 @@ concurrency. Auto with no table measures its step costs at every start and meets
 for the first time; auto with the table on disk reads the costs and the drafter's record that
 an untimed first start (the same requests at the first concurrency) wrote, and keeps adding to
 it. The servers take turns `--repeats` times, their order rotated, so machine noise falls on
-all of them; each cell keeps its best run. Prints tokens/s per cell and each auto / the best of the others, the
-budgets auto chose, and writes bench/results/serve_budgets.json.
+all of them; each cell keeps its best run. Prints tokens/s per cell and each auto / the best of
+the others, the budgets auto chose, and writes bench/results/serve_budgets.json.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def main() -> None:
   best: dict[str, dict[int, float]] = {}
   budgets_chosen: dict[str, dict[int, dict]] = {}
 
-  def serve(name: str, method: str, budget: str, tables: str, levels: list[int], timed: bool):
-    os.environ["JETFLOW_COST_TABLES"] = tables
+  def serve(name: str, method: str, budget: str, path: str, levels: list[int], timed: bool):
+    os.environ["JETFLOW_COST_TABLES"] = path
     settings = argparse.Namespace(method=method, slots=args.slots, context=args.context,
                                   budget=budget)
     port = free_port()
