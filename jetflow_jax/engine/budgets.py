@@ -136,7 +136,7 @@ class BudgetChooser:
     cheapest_tree = float(np.min(self.seconds_l[1:])) if len(ladder) > 1 else 0.0
     ar_steps = max(2, math.ceil(cheapest_tree / (PROBE_SHARE * self.seconds_l[0])))
     self.model = self.record.acceptance_model(num_slots, explore_every=ar_steps * rounds_per_step)
-    self.hope_l = np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
+    self.hope_l = self._hope()
     self.chosen: collections.Counter[int] = collections.Counter()
     # Whether each chosen step not yet recorded is a probe (steps are read back a step late).
     self.probing: collections.deque[bool] = collections.deque()
@@ -148,7 +148,11 @@ class BudgetChooser:
     for name, value in self.record.model_prior().items():
       setattr(self.model, name, value)
     self.model.reset([slot])
-    self.hope_l = np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
+    self.hope_l = self._hope()
+
+  def _hope(self) -> np.ndarray:
+    """What a probe hopes a tree commits: the record's prior, or a modest head's if higher."""
+    return np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
 
   def _tokens(self, busy_b) -> np.ndarray:
     tokens_l = self.model.estimate()[busy_b].sum(axis=0)
