@@ -128,11 +128,14 @@ def main(argv=None) -> None:
       raise InputError(f"prompt token ids out of range [0, {config.vocab_size}): {bad[:10]}")
     if not args.allow_long_context:
       check_context_window(config, prompts, args.max_new_tokens)
-    detokenize = ((lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer
-                  else (lambda ids: " ".join(map(str, ids))))
+    if tokenizer:
+      detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    else:  # ids, each after a space, so the continuation stays apart from the prompt
+      detokenize = lambda ids: "".join(f" {t}" for t in ids)
     printed = [""]
     if not args.json:  # the prompt, dimmed on a terminal, then the continuation as it comes
-      shown = args.prompt if args.prompt is not None else detokenize(prompts[0])
+      shown = (args.prompt if args.prompt is not None else
+               detokenize(prompts[0]) if tokenizer else " ".join(map(str, prompts[0])))
       dim = sys.stdout.isatty()
       sys.stdout.write(f"{DIM}{shown}{PLAIN}" if dim else shown)
       sys.stdout.flush()

@@ -15,6 +15,7 @@ service watches every process), so a job never hangs on a lost peer.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -113,6 +114,29 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     where = coordinator_address or "the cluster's coordinator"
     raise ConfigError(f"cannot join the job through {where}: {str(e).splitlines()[0]}") from None
   _initialized = True
+  _native_stdout_to_stderr()
+
+
+def _native_stdout_to_stderr() -> None:
+  """Native code's stdout goes to stderr; Python's `sys.stdout` keeps the real one.
+
+  Gloo prints a line to stdout as each group of devices first connects, from its own threads,
+  at any point of what the process prints there: inside a token stream, between two of its
+  own lines' pieces when two groups connect at once, or before a JSON line a caller parses.
+  """
+  if sys.stdout is not sys.__stdout__:
+    return  # already redirected by the caller: theirs to keep
+  try:
+    if sys.stdout.fileno() != 1:
+      return
+  except (AttributeError, OSError, ValueError):
+    return
+  sys.stdout.flush()
+  stream = os.dup(1)
+  os.dup2(2, 1)
+  sys.stdout = io.TextIOWrapper(io.FileIO(stream, "w"), encoding=sys.stdout.encoding,
+                                errors=sys.stdout.errors,
+                                line_buffering=sys.stdout.line_buffering)
 
 
 def is_initialized() -> bool:
