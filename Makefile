@@ -34,8 +34,9 @@ speculators-venv: $(STAMP)
 
 # --durations: the slowest, to keep the suite in budget. --reruns 1 --only-rerun '(?!)': a test
 # whose worker dies of a native crash inside XLA:CPU (a segfault or abort while compiling or
-# loading a program, about one full run in three, in tests of every kind) runs once more, and
-# the summary counts it as a rerun; a test that fails (an error or an assertion) never reruns.
+# loading a program; 4 of 8 full runs by 2026-12-06, each late in a worker's share) runs once
+# more, and the summary counts it as a rerun; a test that fails (an error, an assertion) never
+# reruns.
 test: $(STAMP) speculators-venv
 	$(BIN)/python -m pytest -q -n 2 --durations=15 --reruns 1 --only-rerun '(?!)' tests
 
