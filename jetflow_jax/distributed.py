@@ -121,8 +121,8 @@ def _native_stdout_to_stderr() -> None:
   """Native code's stdout goes to stderr; Python's `sys.stdout` keeps the real one.
 
   Gloo prints a line to stdout as each group of devices first connects, from its own threads,
-  at any point of what the process prints there: inside a token stream, between two of its
-  own lines' pieces when two groups connect at once, or before a JSON line a caller parses.
+  at any point of what the process prints there: inside a token stream, or before the JSON
+  line a caller parses.
   """
   if sys.stdout is not sys.__stdout__:
     return  # already redirected by the caller: theirs to keep
