@@ -15,7 +15,6 @@ service watches every process), so a job never hangs on a lost peer.
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import signal
@@ -134,9 +133,8 @@ def _native_stdout_to_stderr() -> None:
   sys.stdout.flush()
   stream = os.dup(1)
   os.dup2(2, 1)
-  sys.stdout = io.TextIOWrapper(io.FileIO(stream, "w"), encoding=sys.stdout.encoding,
-                                errors=sys.stdout.errors,
-                                line_buffering=sys.stdout.line_buffering)
+  sys.stdout = open(stream, "w", buffering=1 if sys.stdout.line_buffering else -1,
+                    encoding=sys.stdout.encoding, errors=sys.stdout.errors)
 
 
 def is_initialized() -> bool:
