@@ -7,10 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, AcceptanceModel, CostTable,
-                                         HeadRecord, best_budget, budget_ladder, choose_budget,
-                                         cost_key, draft_expected_tau, expected_tau,
-                                         first_look_index, kept_seconds, load_cost_table,
+from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, AcceptanceModel,
+                                         CostTable, HeadRecord, best_budget, budget_ladder,
+                                         choose_budget, cost_key, draft_expected_tau,
+                                         expected_tau, first_look_index, kept_seconds,
+                                         load_cost_table,
                                          load_head_record, probe_index, save_cost_table,
                                          save_head_record)
 from jetflow_jax.engine.budgets import BudgetChooser
@@ -272,6 +273,44 @@ def test_the_engine_looks_at_a_new_drafter_and_starts_slots_from_its_record():
   np.testing.assert_allclose(chooser.model.estimate()[1], record.prior_tau())
   known = BudgetChooser(ladder, 2, seconds_l, rounds_per_step=1, record=record)
   assert known.model.prior_ratio == record.ratio() and known.model.prior_gain_l is not None
+
+
+def thin_and_long_records(ladder=(1, 4, 16)):
+  """Two records of drafts at the same ratio, 2 accepted of 21 predicted gains (plus one
+  pseudo-count each): 4 drafts, and 100 times as many."""
+  thin = HeadRecord({}, ladder, observed=1.0, predicted=20.0, drafts=4.0, probes=1.0,
+                    predicted_gain_l=np.array([0.0, 8.0, 20.0]))
+  long = HeadRecord({}, ladder, observed=100.0, predicted=2000.0, drafts=400.0, probes=100.0,
+                    predicted_gain_l=np.array([0.0, 800.0, 2000.0]))
+  return thin, long
+
+
+def test_the_record_says_what_a_tree_could_commit_and_a_long_record_says_it_closely():
+  thin, long = thin_and_long_records()
+  np.testing.assert_allclose(HeadRecord({}, (1, 4)).upper_tau(), [1.0, 1.0])  # never seen: AR
+  # The sum of gains UPPER_Z standard errors up, the spread of geometric lengths at the mean.
+  mean = 2 / 5
+  ratio = (1 + UPPER_Z * np.sqrt(mean * (1 + mean) * 4) + 1) / 21
+  np.testing.assert_allclose(thin.upper_tau(), [1.0, 1 + ratio * 2, 1 + ratio * 5])
+  assert thin.prior_tau()[2] < 1.6 < thin.upper_tau()[2]  # a tree at 1.6 AR rounds could win
+  assert long.prior_tau()[2] < long.upper_tau()[2] < 1.6  # ... and after 400 drafts it cannot
+  assert np.all((long.upper_tau() - long.prior_tau())[1:]
+                < (thin.upper_tau() - thin.prior_tau())[1:] / 5)
+
+
+def test_a_request_probes_at_once_where_its_drafters_record_says_a_tree_could_win():
+  """The engine's chooser (the device loop's is checked in test_auto_budget): a known drafter
+  whose few drafts say AR is probed when a request arrives, if the probe can pay within it;
+  after many drafts at the same ratio it is not."""
+  seconds_l, busy = np.array([1.0, 1.6, 1.6]), [True]
+  for record, probed in zip(thin_and_long_records(), (True, False)):
+    chooser = BudgetChooser((1, 4, 16), 1, seconds_l, rounds_per_step=1, record=record)
+    assert chooser.choose(busy, [100]) == 1  # no request has arrived yet
+    chooser.reset(0)
+    assert chooser.choose(busy, [3]) == 1  # too few tokens left to pay for a probe
+    chooser.reset(0)
+    assert (chooser.choose(busy, [100]) > 1) == probed
+    assert chooser.choose(busy, [100]) == 1  # one probe a request, not one a step
 
 
 def test_head_record_prior_chance_and_file(tmp_path):

@@ -165,11 +165,14 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   cheapest_probe = float(np.min(probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
   model = record.acceptance_model(rows, explore_every=max(
       8, math.ceil(cheapest_probe / (PROBE_SHARE * seconds_l[0]))))
-  hope_l = np.maximum(optimistic_tau(ladder), record.prior_tau())
+  upper_l = record.upper_tau()
+  hope_l = np.maximum(optimistic_tau(ladder), upper_l)
   ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
-  # A drafter never seen may probe at once; later probes wait for `explore_every` AR rounds.
-  # Once a probe does not pay, none will in this call: fewer tokens are left at every check.
-  may_probe, first_probe = len(ladder) > 1, record.drafts == 0
+  # The request's first decision may probe at once: a drafter never seen where a probe at
+  # `hope_l` pays (else its look), a known one where its record says a tree could win
+  # (`upper_l`); later probes wait for `explore_every` AR rounds. Once a probe at `hope_l`
+  # does not pay, none will in this call: fewer tokens are left at every check.
+  may_probe, starting = len(ladder) > 1, True
   budgets: list[int] = []
   done_b, rounds_b, lengths_b, max_lengths_b = to_host(
       (state.done_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
@@ -188,13 +191,18 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       if not index and may_probe:
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
         worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
-        if first_probe or model.probe_due(live_b):
+        if starting and record.drafts:
+          index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l,
+                              record.win_chance())
+          may_probe = bool(worth)
+        elif starting or model.probe_due(live_b):
           index = worth or (first_look_index(remaining, seconds_l, probe_seconds_l,
                                              FIRST_LOOK_SHARE, record.unseen_s)
-                            if first_probe else 0)
-          probing, may_probe, first_probe = index > 0, index > 0, False
+                            if starting else 0)
+          may_probe = index > 0
         elif not worth:  # no probe pays in what is left now, nor later with less left
           may_probe = False
+        probing = index > 0
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       runs = 1 if index else min(ar_run, wait) if may_probe else ar_run
       prior_l = record.prior_tau() * live_b.sum()
@@ -203,6 +211,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
                                 and not best_budget(prior_l, seconds_l, ladder).index)
     else:
       index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
+    starting = False
     budget = ladder[index]
     if finishing:
       state = finish(state, runs)

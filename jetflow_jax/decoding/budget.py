@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import warnings
@@ -325,6 +326,7 @@ def optimistic_tau(ladder: Sequence[int]) -> np.ndarray:
   return np.minimum(ladder, 1.0 + 0.5 * np.log2(ladder))
 
 
+UPPER_Z = 2.0  # a tree "could win" where a mean gain this many standard errors up says it would
 HEAD_RECORD_CAP = 4096.0  # drafting rows a head record weighs at most: older runs fade
 PRIOR_DRAFTS = 4.0  # a row's calibration starts at its drafter's record, weighing this many drafts
 _RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s")  # as kept
@@ -363,6 +365,19 @@ class HeadRecord:
     if self.drafts <= 0:
       return np.ones(len(self.ladder))
     tau_l = 1.0 + self.ratio() * self.predicted_gain_l / self.drafts
+    return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
+
+  def upper_tau(self) -> np.ndarray:
+    """What a round could commit at each budget for all this record knows: `prior_tau()` with
+    the mean gain per draft `UPPER_Z` standard errors up. The spread is what i.i.d. acceptance
+    gives (geometric lengths, variance m (1 + m)), so a record of a few drafts, which one
+    unlucky stretch of a request can fill, still lets a probe find out, and a long one does
+    not. AR for a drafter never seen."""
+    if self.drafts <= 0:
+      return np.ones(len(self.ladder))
+    mean = (self.observed + 1.0) / (self.drafts + 1.0)
+    upper = self.observed + UPPER_Z * math.sqrt(mean * (1.0 + mean) * self.drafts)
+    tau_l = 1.0 + (upper + 1.0) / (self.predicted + 1.0) * self.predicted_gain_l / self.drafts
     return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
 
   def ratio(self) -> float:

@@ -141,6 +141,7 @@ class BudgetChooser:
     # Whether each chosen step not yet recorded is a probe (steps are read back a step late).
     self.probing: collections.deque[bool] = collections.deque()
     self.may_look = self.record.drafts == 0  # a drafter never seen, not looked at yet
+    self.starting = False  # a request just arrived: a known drafter may be probed at once
 
   def reset(self, slot: int) -> None:
     """A new request took `slot`: its estimate starts from the prior, what the drafter's
@@ -149,10 +150,12 @@ class BudgetChooser:
       setattr(self.model, name, value)
     self.model.reset([slot])
     self.hope_l = self._hope()
+    self.starting = self.record.drafts > 0
 
   def _hope(self) -> np.ndarray:
-    """What a probe hopes a tree commits: the record's prior, or a modest head's if higher."""
-    return np.maximum(optimistic_tau(self.ladder), self.record.prior_tau())
+    """What a probe hopes a tree commits: what the record says it could, or a modest head's
+    if higher."""
+    return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
   def _tokens(self, busy_b) -> np.ndarray:
     tokens_l = self.model.estimate()[busy_b].sum(axis=0)
@@ -169,18 +172,23 @@ class BudgetChooser:
     else:
       index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
       if (not index and remaining_b is not None and len(self.ladder) > 1
-          and (self.may_look or self.model.probe_due(busy_b))):
+          and (self.may_look or self.starting or self.model.probe_due(busy_b))):
         # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
         steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
-        index = probe_index(steps_left, self.seconds_l, self.seconds_l, self.hope_l,
+        # As the device loop: on a request's arrival, a known drafter is probed at once
+        # only where its record says a tree could win.
+        hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(busy_b)
+                  else self.hope_l)
+        index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
                             self.record.win_chance())
         if self.may_look and not index:
           index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
                                    FIRST_LOOK_SHARE, self.record.unseen_s)
         probing = index > 0
         self.may_look = self.may_look and not probing
-        if not index:  # try again after another spell of AR rounds
+        if not index and not self.starting:  # try again after another spell of AR rounds
           self.model.ar_rounds_b[busy_b] = 0
+      self.starting = False
       budget = self.ladder[index]
     self.chosen[budget] += 1
     self.probing.append(probing)
