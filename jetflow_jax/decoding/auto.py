@@ -9,8 +9,9 @@ for itself within the request (`budget.probe_index`: its chance of finding trees
 this drafter's past probes, times what trees could save over the tokens left, against what
 the probe costs, the flush of the held-back context included), and probes are spaced so that
 they cost a small share of the AR time. A row never drafted starts from what this drafter
-accepted in past runs on this target (`budget.HeadRecord`), or from AR for a drafter never
-seen, which gets one look: the probe that risks least, once that is a small share of the AR
+accepted in past runs on this target (`budget.HeadRecord`); a request may probe it at once
+where that record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`).
+A drafter never seen starts from AR and gets one look: the probe that risks least, once that is a small share of the AR
 time of the request and of the drafter's earlier unseen runs (`budget.first_look_index`); a
 row's calibration starts from the record too (`HeadRecord.acceptance_model`). Every budget's
 round is one compiled variant; its time and the flush's are measured once per shape (a few
