@@ -11,9 +11,10 @@ the probe costs, the flush of the held-back context included), and probes are sp
 they cost a small share of the AR time. A row never drafted starts from what this drafter
 accepted in past runs on this target (`budget.HeadRecord`); a request may probe it at once
 where that record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`).
-A drafter never seen starts from AR and gets one look: the probe that risks least, once that is a small share of the AR
-time of the request and of the drafter's earlier unseen runs (`budget.first_look_index`); a
-row's calibration starts from the record too (`HeadRecord.acceptance_model`). Every budget's
+A drafter never seen starts from AR and gets one look: the probe that risks least, once that
+is a small share of the AR time of the request and of the drafter's earlier unseen runs
+(`budget.first_look_index`); a row's calibration starts from the record too
+(`HeadRecord.acceptance_model`). Every budget's
 round is one compiled variant; its time and the flush's are measured once per shape (a few
 rounds on copies of the state) and kept, in this process and in the cost tables file
 (`budget.cost_tables_path()`), with the drafter's record, for the next.
