@@ -11,9 +11,8 @@ from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, Acceptan
                                          CostTable, HeadRecord, best_budget, budget_ladder,
                                          choose_budget, cost_key, draft_expected_tau,
                                          expected_tau, first_look_index, kept_seconds,
-                                         load_cost_table,
-                                         load_head_record, probe_index, save_cost_table,
-                                         save_head_record)
+                                         load_cost_table, load_head_record, probe_index,
+                                         save_cost_table, save_head_record)
 from jetflow_jax.engine.budgets import BudgetChooser
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.errors import InputError
