@@ -14,10 +14,10 @@ where that record, for all its few drafts, says a tree could win (`HeadRecord.up
 A drafter never seen starts from AR and gets one look: the probe that risks least, once that
 is a small share of the AR time of the request and of the drafter's earlier unseen runs
 (`budget.first_look_index`); a row's calibration starts from the record too
-(`HeadRecord.acceptance_model`). Every budget's
-round is one compiled variant; its time and the flush's are measured once per shape (a few
-rounds on copies of the state) and kept, in this process and in the cost tables file
-(`budget.cost_tables_path()`), with the drafter's record, for the next.
+(`HeadRecord.acceptance_model`). Every budget's round is one compiled variant; its time and
+the flush's are measured once per shape (a few rounds on copies of the state) and kept, in
+this process and in the cost tables file (`budget.cost_tables_path()`), with the drafter's
+record, for the next.
 """
 
 from __future__ import annotations

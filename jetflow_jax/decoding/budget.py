@@ -362,9 +362,14 @@ class HeadRecord:
     self.predicted_gain_l = np.asarray(self.predicted_gain_l, np.float64)
 
   def prior_tau(self) -> np.ndarray:
+    return self._tau_at(self.ratio())
+
+  def _tau_at(self, ratio: float) -> np.ndarray:
+    """Each budget's expected tokens: the average draft's predicted gains at `ratio`; AR for a
+    drafter never seen."""
     if self.drafts <= 0:
       return np.ones(len(self.ladder))
-    tau_l = 1.0 + self.ratio() * self.predicted_gain_l / self.drafts
+    tau_l = 1.0 + ratio * self.predicted_gain_l / self.drafts
     return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
 
   def upper_tau(self) -> np.ndarray:
@@ -373,12 +378,9 @@ class HeadRecord:
     gives (geometric lengths, variance m (1 + m)), so a record of a few drafts, which one
     unlucky stretch of a request can fill, still lets a probe find out, and a long one does
     not. AR for a drafter never seen."""
-    if self.drafts <= 0:
-      return np.ones(len(self.ladder))
     mean = (self.observed + 1.0) / (self.drafts + 1.0)
     upper = self.observed + UPPER_Z * math.sqrt(mean * (1.0 + mean) * self.drafts)
-    tau_l = 1.0 + (upper + 1.0) / (self.predicted + 1.0) * self.predicted_gain_l / self.drafts
-    return np.clip(tau_l, 1.0, np.asarray(self.ladder, np.float64))
+    return self._tau_at((upper + 1.0) / (self.predicted + 1.0))
 
   def ratio(self) -> float:
     """Observed over predicted gains, one pseudo-count each."""
