@@ -105,8 +105,9 @@ def test_acceptance_model_calibrates_each_row_and_falls_back_to_the_prior():
 
 def test_a_known_drafter_seeds_each_rows_calibration():
   """A drafter whose record says it accepts half its predicted gain: one round that accepts
-  nothing moves a row by one round's weight against PRIOR_DRAFTS drafts of the record, and
-  AR rounds after it drift the draft back to the record's, not the row's ratio."""
+  nothing moves a row by one round's weight against PRIOR_DRAFTS drafts of the record (all of
+  a thinner record's), and AR rounds after it drift the draft back to the record's, not the
+  row's ratio."""
   ladder = (1, 4, 16)
   record = HeadRecord({}, ladder, observed=299.0, predicted=599.0, drafts=50.0,
                       predicted_gain_l=np.array([0.0, 150.0, 600.0]))
@@ -121,6 +122,10 @@ def test_a_known_drafter_seeds_each_rows_calibration():
   for _ in range(100):
     model.update(None, None, budget=1)
   np.testing.assert_allclose(model.estimate()[0], [1.0, 1 + row_ratio * 3, 1 + row_ratio * 12])
+  # A record of fewer drafts than PRIOR_DRAFTS weighs no more than it holds.
+  thin = HeadRecord({}, ladder, observed=9.0, predicted=23.0, drafts=2.0,
+                    predicted_gain_l=np.array([0.0, 6.0, 24.0]))
+  assert thin.acceptance_model(rows=1, explore_every=32).prior_weight == 23.0
   # Without a record: the old defaults (ratio 1 weighing 4 predicted tokens), drift to AR.
   fresh = HeadRecord({}, ladder).acceptance_model(rows=1, explore_every=32)
   assert fresh.prior_ratio == 1.0 and fresh.prior_weight == 4.0 and fresh.prior_gain_l is None

@@ -328,7 +328,10 @@ def optimistic_tau(ladder: Sequence[int]) -> np.ndarray:
 
 UPPER_Z = 2.0  # a tree "could win" where a mean gain this many standard errors up says it would
 HEAD_RECORD_CAP = 4096.0  # drafting rows a head record weighs at most: older runs fade
-PRIOR_DRAFTS = 4.0  # a row's calibration starts at its drafter's record, weighing this many drafts
+PRIOR_DRAFTS = 8.0  # a row's calibration starts at its drafter's record, weighing this many of
+# its drafts at most: one draft's gain scatters by more than its mean (geometric lengths), so
+# at 4 one round that accepted nothing cut a row's estimate by a fifth, enough to send a drafter
+# near its break-even to AR, where the request learns nothing more
 _RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s")  # as kept
 
 
@@ -389,14 +392,15 @@ class HeadRecord:
   def model_prior(self) -> dict:
     """An `AcceptanceModel`'s prior fields from this record: rows never drafted at
     `prior_tau()`, and each row's calibration at the record's ratio, weighing as much as
-    `PRIOR_DRAFTS` of its drafts, so that one unlucky round moves a well-known drafter no more
-    than its past rounds warrant. A drafter never seen: the model's defaults, AR."""
+    `PRIOR_DRAFTS` of its drafts (all of them, if it holds fewer), so that one unlucky round
+    moves a well-known drafter no more than its past rounds warrant. A drafter never seen: the
+    model's defaults, AR."""
     if self.drafts <= 0:
       return {"prior_tau_l": self.prior_tau(), "prior_ratio": 1.0,
               "prior_weight": AcceptanceModel.prior_weight, "prior_gain_l": None}
     return {"prior_tau_l": self.prior_tau(), "prior_ratio": self.ratio(),
             "prior_weight": max(AcceptanceModel.prior_weight,
-                                PRIOR_DRAFTS * self.predicted / self.drafts),
+                                min(PRIOR_DRAFTS, self.drafts) * self.predicted / self.drafts),
             "prior_gain_l": self.predicted_gain_l / self.drafts}
 
   def acceptance_model(self, rows: int, explore_every: int) -> AcceptanceModel:
