@@ -150,7 +150,7 @@ def controlled_part(args, tables: Tables, preset: str) -> dict:
   params = jax.block_until_ready(with_kernel_layout(jax.jit(init_params, static_argnums=(0,))(
       config, jax.random.key(0)), decode_kernel_layout()))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
-  drafter = ControlledDrafter(depth=15)
+  drafter = ControlledDrafter(depth=15, calibrated=args.calibrated)
   out = {}
   for new_tokens in args.cpu_new_tokens:
     ar = generate(params, config, prompt, new_tokens, stop_tokens=())
@@ -215,6 +215,9 @@ def main() -> None:
   parser.add_argument("--taus", type=lambda t: [float(x) for x in t.split(",")],
                       default=[2.0, 4.0, 8.0])
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--calibrated", action="store_true",
+                      help="the controlled drafter as sure as its acceptance warrants (a "
+                           "well-trained head), not certain of every token")
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                     "auto_budget.json"))
   args = parser.parse_args()

@@ -58,6 +58,9 @@ def main() -> None:
   parser.add_argument("--budgets", type=lambda t: [int(x) for x in floats(t)], default=[16, 64],
                       help="fixed budgets to compare with")
   parser.add_argument("--runs", type=int, default=6, help="requests per setting, one record")
+  parser.add_argument("--calibrated", action="store_true",
+                      help="the controlled drafter as sure as its acceptance warrants (a "
+                           "well-trained head), not certain of every token")
   parser.add_argument("--seconds", type=floats, default=list(QWEN3_06B_SECONDS),
                       help="round seconds at AR, 4, 8, ... up to the largest budget")
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
@@ -72,7 +75,7 @@ def main() -> None:
   config, _ = step_costs.preset_pair(step_costs.PRESETS["qwen3-0.6b"], layers=2, vocab=256)
   params = jax.jit(init_params, static_argnums=(0,))(config, jax.random.key(0))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
-  drafter = ControlledDrafter(depth=15)
+  drafter = ControlledDrafter(depth=15, calibrated=args.calibrated)
   cost = lambda budgets: float(sum(seconds[ladder.index(b)] for b in budgets))
   cells, rows = {}, []
   with tempfile.TemporaryDirectory() as directory:

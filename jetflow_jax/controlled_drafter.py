@@ -10,6 +10,14 @@ top-1 chain down to depth k (a budget of at least depth + 1 nodes does). k is dr
 and round from a distribution over 0..depth, with a key folded with the row index and its
 context length: deterministic, no state, no taps, nothing sent to the host.
 
+How sure the drafter says it is: certain of every top-1 token by default (log-prob ~0), the
+hardest case for a chooser that calibrates what drafts predict against what rounds accept;
+or, `calibrated`, as sure as the distribution warrants, as a well-trained head is on average:
+the top-1 at depth d gets the chance that depth is accepted once the one above was, so what a
+draft predicts (`decoding.budget.expected_tau`) is tau. (Its other tokens share the rest: with
+a vocabulary of a few hundred, they can outrank the deepest nodes of the chain when those are
+unlikely, so a tree of depth + 1 nodes may stop the chain short of a rare long k.)
+
 The distribution is a traced param (`ControlledParams.depth_probs_k`), not a static field:
 one compiled round serves every requested tau, which matters when each compile of an 8B
 round costs tens of seconds of a GPU lease.
@@ -74,13 +82,17 @@ class ControlledDrafter:
   Attributes:
     depth: D, the depths it drafts.
     seed: the key its per-round draws derive from.
-    confidence: logit margin of the top-1 token: log-prob ~0, others ~-confidence.
+    confidence: logit margin of the top-1 token: log-prob ~0, others ~-confidence (and how
+      far below the rest the reference token is pushed where it is refused).
+    calibrated: the top-1's probability is the chance of its depth being accepted given the
+      one above was (`depth_chances`), not ~1.
     tap_layers: none: it reads no taps.
   """
 
   depth: int
   seed: int = 0
-  confidence: float = 30.0  # logit margin of the top-1 token: log-prob ~0, others ~-confidence
+  confidence: float = 30.0
+  calibrated: bool = False
   tap_layers: tuple[int, ...] = ()
 
   def init_state(self, params, target_params, taps_btld, cache_size: int):
@@ -109,12 +121,26 @@ class ControlledDrafter:
                            reference_bs.shape[1] - 1)
     reference_bd = jnp.take_along_axis(reference_bs, index_bd, axis=1)
     right_bd = depth_d[None, :] < self.correct_depths(params, context_len_b)[:, None]
-    top_bd = jnp.where(right_bd, reference_bd, (reference_bd + 1) % vocab)
-    logits_bdv = self.confidence * (
-        jax.nn.one_hot(top_bd, vocab, dtype=jnp.float32)
-        - jnp.where(right_bd, 0.0, 1.0)[..., None] * jax.nn.one_hot(reference_bd, vocab,
-                                                                    dtype=jnp.float32))
+    top_bdv = jax.nn.one_hot(jnp.where(right_bd, reference_bd, (reference_bd + 1) % vocab),
+                             vocab, dtype=jnp.float32)
+    refused_bdv = jnp.where(right_bd, 0.0, 1.0)[..., None] * jax.nn.one_hot(
+        reference_bd, vocab, dtype=jnp.float32)
+    if self.calibrated:
+      chance_d = jnp.clip(self.depth_chances(params), 1e-6, 1.0 - 1e-6)
+      top_bd = jnp.broadcast_to(jnp.log(chance_d), right_bd.shape)
+      # The rest share what the top-1 leaves, the refused reference apart.
+      rest_bd = jnp.log1p(-chance_d) - jnp.log(jnp.where(right_bd, vocab - 1.0, vocab - 2.0))
+      logits_bdv = (rest_bd[..., None] + top_bdv * (top_bd - rest_bd)[..., None]
+                    - self.confidence * refused_bdv)
+    else:
+      logits_bdv = self.confidence * (top_bdv - refused_bdv)
     return jax.nn.log_softmax(logits_bdv, axis=-1)
+
+  def depth_chances(self, params: ControlledParams) -> jax.Array:
+    """`[depth]`: P(depth d accepted | depth d - 1 was), d = 1..depth (0 past the support)."""
+    at_least_k = jnp.cumsum(params.depth_probs_k[::-1])[::-1]  # P(k >= j), j = 0..depth
+    return jnp.where(at_least_k[:-1] > 0, at_least_k[1:] / jnp.maximum(at_least_k[:-1], 1e-30),
+                     0.0)
 
   def commit(self, params, state, taps_btld, start_b):
     return state

@@ -16,6 +16,7 @@ from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params
                                             depth_distribution_for_tau, expected_tau,
                                             tau_variance)
 from jetflow_jax.decoding import TreeShape, decode_prompts
+from jetflow_jax.decoding.budget import draft_expected_tau
 from jetflow_jax.errors import InputError
 from test_speculative import PROMPTS, ar_greedy, target  # noqa: F401 (fixture)
 
@@ -66,6 +67,17 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
         assert ranked[0] == want
       else:  # the reference is last: outside any top-k below the vocabulary
         assert ranked[0] != want and ranked[-1] == want
+  # Calibrated: the same ranks, the top-1 as sure as its depth's chance of acceptance, so
+  # that the chain's expected tokens are tau (a budget of depth + 1 holds just the chain).
+  calibrated = ControlledDrafter(depth=DEPTH, seed=3, calibrated=True)
+  sure_bdv = np.asarray(calibrated.draft(params, None, config, None, None, context_len_b))
+  np.testing.assert_array_equal(np.argmax(sure_bdv, -1), np.argmax(logprobs_bdv, -1))
+  np.testing.assert_array_equal(np.argmin(sure_bdv, -1), np.argmin(logprobs_bdv, -1))
+  at_least_k = np.cumsum(np.asarray(params.depth_probs_k, np.float64)[::-1])[::-1]
+  np.testing.assert_allclose(np.exp(sure_bdv.max(-1)), np.broadcast_to(
+      at_least_k[1:] / at_least_k[:-1], (4, DEPTH)), rtol=1e-4)
+  np.testing.assert_allclose(draft_expected_tau(sure_bdv, (1, DEPTH + 1), 3), [[1.0, 4.0]] * 4,
+                             rtol=1e-4)
   # The draws depend on the row and its context length only.
   again = drafter.correct_depths(params, jnp.array([0, 5, 99, 30], jnp.int32))
   np.testing.assert_array_equal(np.asarray(again)[[0, 1, 3]], k_b[[0, 1, 3]])
