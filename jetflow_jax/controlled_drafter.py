@@ -127,11 +127,11 @@ class ControlledDrafter:
         reference_bd, vocab, dtype=jnp.float32)
     if self.calibrated:
       chance_d = jnp.clip(self.depth_chances(params), 1e-6, 1.0 - 1e-6)
-      top_logp_bd = jnp.broadcast_to(jnp.log(chance_d), right_bd.shape)
       # The rest share what the top-1 leaves, the refused reference apart.
       rest_logp_bd = jnp.log1p(-chance_d) - jnp.log(jnp.where(right_bd, vocab - 1.0,
                                                               vocab - 2.0))
-      logits_bdv = (rest_logp_bd[..., None] + top_bdv * (top_logp_bd - rest_logp_bd)[..., None]
+      logits_bdv = (rest_logp_bd[..., None]
+                    + top_bdv * (jnp.log(chance_d) - rest_logp_bd)[..., None]
                     - self.confidence * refused_bdv)
     else:
       logits_bdv = self.confidence * (top_bdv - refused_bdv)
