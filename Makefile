@@ -33,10 +33,9 @@ speculators-venv: $(STAMP)
 	-$(BIN)/python scripts/speculators_venv.py
 
 # --durations: the slowest, to keep the suite in budget. --reruns 1 --only-rerun '(?!)': a test
-# whose worker dies of a native crash inside XLA:CPU (a segfault or abort while compiling or
-# loading a program; 4 of 8 full runs by 2026-12-06, each late in a worker's share) runs once
-# more, and the summary counts it as a rerun; a test that fails (an error, an assertion) never
-# reruns.
+# whose worker dies of a native crash runs once more, and the summary counts it as a rerun; a
+# test that fails (an error, an assertion) never reruns. (The crashes of 2026-12: workers out of
+# memory maps, which tests/conftest.py now prevents; docs/development.md.)
 test: $(STAMP) speculators-venv
 	$(BIN)/python -m pytest -q -n 2 --durations=15 --reruns 1 --only-rerun '(?!)' tests
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from jetflow_jax.decoding.loop import compiled
 from jetflow_jax.text import bundled_qwen3_tokenizer_dir
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -90,3 +91,12 @@ def run_cli(*args, timeout=900):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def room_for_executables():
+  """A worker runs hundreds of tests in one process and keeps what they compiled: past half the
+  memory maps Linux allows it, let go of the executables, before the next compile fails for
+  want of one (a worker crash in XLA:CPU's compiler or cache reader)."""
+  yield
+  compiled.release_if_crowded(share=0.5)

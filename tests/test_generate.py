@@ -110,3 +110,23 @@ def test_data_parallel_generate_equals_one_device(make_checkpoint, rng):
   assert generate(copies, config, prompts, 10, sampler=Greedy(), mesh=mesh).tokens == want
   with pytest.raises(jetflow_jax.InputError, match="3 prompts do not split over the mesh's 4 data-parallel rows"):
     generate(copies, config, prompts[:3], 10, mesh=mesh)
+
+
+def test_a_crowded_process_lets_go_of_its_executables():
+  """Past the share of memory maps it may hold, the compile cache empties (an XLA:CPU
+  executable holds hundreds; at vm.max_map_count the next compile would crash), below it keeps."""
+  from jetflow_jax.decoding.loop import CompileCache, memory_maps
+  if memory_maps() is None:
+    pytest.skip("no /proc: the process's memory maps cannot be counted here")
+  cache = CompileCache()
+  build = lambda: jax.jit(lambda x: x * 3 + 1).lower(jnp.zeros(257)).compile()
+  program = cache.get("program", build)
+  cache.warmed.add(id(program))
+  assert not cache.release_if_crowded(share=1.0) and "program" in cache.entries
+  held = memory_maps()[0]
+  del program
+  assert cache.release_if_crowded(share=0.0)
+  assert cache.entries == {} and cache.warmed == set()
+  assert memory_maps()[0] < held  # the executable's code and data are unmapped
+  again = cache.get("program", build)
+  np.testing.assert_array_equal(np.asarray(again(jnp.ones(257))), np.full(257, 4.0))

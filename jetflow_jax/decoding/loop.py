@@ -142,6 +142,21 @@ def pending_rounds(spec: RoundSpec, prompt_width: int, capacity: int) -> int:
   return max(1, min(PENDING_ROUNDS, capacity - prompt_width // 2))
 
 
+MAPS_SHARE = 0.75  # of the memory maps Linux allows a process, past which executables are let go
+
+
+def memory_maps() -> tuple[int, int] | None:
+  """(memory maps this process holds, the most Linux allows it: vm.max_map_count), or None
+  where /proc does not tell."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      held = f.read().count(b"\n")
+    with open("/proc/sys/vm/max_map_count") as f:
+      return held, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
 class CompileCache:
   """Executables by shapes and statics, with counts (what ran can be told from what is new),
   and which of them have run once (`warmed`)."""
@@ -155,8 +170,24 @@ class CompileCache:
       self.hits += 1
     else:
       self.misses += 1
+      self.release_if_crowded()
       self.entries[key] = build()
     return self.entries[key]
+
+  def release_if_crowded(self, share: float = MAPS_SHARE) -> bool:
+    """Lets go of every executable kept here and in jax's caches once this process holds more
+    than `share` of the memory maps it may: an XLA:CPU executable holds a few hundred (the code
+    and data of its kernels), and at the limit building or loading one more fails ("LLVM
+    compilation error: Cannot allocate memory", then a crash). A long-lived process that
+    compiles many shapes (a benchmark's sweep, a test worker) would get there; what runs next
+    is compiled again or read from the persistent compilation cache. Returns whether it did."""
+    maps = memory_maps()
+    if maps is None or maps[0] <= share * maps[1]:
+      return False
+    self.entries.clear()
+    self.warmed.clear()
+    jax.clear_caches()
+    return True
 
 
 compiled = CompileCache()
