@@ -4,16 +4,25 @@ of decoding at those shapes.
 
   python bench/chooser_replay.py            # writes bench/results/chooser_replay.json
   python bench/chooser_replay.py --taus 8 --new-tokens 32,64 --runs 4
+  python bench/chooser_replay.py --draws 12 # over twelve draw sequences (prompts), not one
 
 What is real: `decode_prompts(auto=True)` itself (the chooser, the drafter's record kept in a
 cost tables file from run to run, the first look), and the controlled drafter, whose accepted
-depths are drawn from (row, position) alone, so a 2-layer stand-in target with a 64-token
+depths are drawn from (seed, row, position) alone, so a 2-layer stand-in target with a 64-token
 prompt meets the same draws as Qwen3-0.6B does. What is replayed: the round times, given to the
 chooser from `--seconds` (default: the table calibration measured at Qwen3-0.6B shapes on this
 CPU, float32, 64-token prompt, 32 new tokens) and summed over the rounds each method ran. The
 first run of a setting finds no record (the benchmark's "table absent"), later runs find what
 earlier ones kept ("on disk"). Round times grow with the context, which the replay leaves out:
 the measured cells are `bench/auto_budget.py`'s.
+
+One prompt is one sequence of draws, and where two choices tie in expectation it decides
+between them. `--draws K` replays K of them (the drafter's seed 0..K-1, each as different a
+request as another prompt would be): K users, each with a record of its own, whose `--runs`
+requests take the seeds in turn, each user from a different one, so that every run index
+covers each draw sequence once; auto's time over them is set against each method's over the
+same requests. Each seed compiles rounds of its own (it is static in them), a few minutes for
+every context bucket. With one draw (the default) the table is the single prompt's.
 """
 
 from __future__ import annotations
@@ -57,7 +66,10 @@ def main() -> None:
                       default=[32, 64, 128, 512, 2048])
   parser.add_argument("--budgets", type=lambda t: [int(x) for x in floats(t)], default=[16, 64],
                       help="fixed budgets to compare with")
-  parser.add_argument("--runs", type=int, default=6, help="requests per setting, one record")
+  parser.add_argument("--runs", type=int, default=6,
+                      help="requests per setting and user, one record")
+  parser.add_argument("--draws", type=int, default=1,
+                      help="draw sequences (the drafter's seed): users, each starting on its own")
   parser.add_argument("--calibrated", action="store_true",
                       help="the controlled drafter as sure as its acceptance warrants (a "
                            "well-trained head), not certain of every token")
@@ -66,6 +78,8 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                     "chooser_replay.json"))
   args = parser.parse_args()
+  if args.draws < 1 or args.runs < 1:
+    parser.error("--draws and --runs need at least 1")
   ladder = budget_ladder(max(args.budgets))
   if len(args.seconds) != len(ladder):
     parser.error(f"--seconds needs one time per budget of {ladder}")
@@ -75,7 +89,8 @@ def main() -> None:
   config, _ = step_costs.preset_pair(step_costs.PRESETS["qwen3-0.6b"], layers=2, vocab=256)
   params = jax.jit(init_params, static_argnums=(0,))(config, jax.random.key(0))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
-  drafter = ControlledDrafter(depth=15, calibrated=args.calibrated)
+  drafters = [ControlledDrafter(depth=15, seed=seed, calibrated=args.calibrated)
+              for seed in range(args.draws)]
   cost = lambda budgets: float(sum(seconds[ladder.index(b)] for b in budgets))
   cells, rows = {}, []
   with tempfile.TemporaryDirectory() as directory:
@@ -83,32 +98,45 @@ def main() -> None:
     for tau, n in tqdm.tqdm(grid, desc="settings"):
       ar = generate(params, config, prompt, n, stop_tokens=())
       drafter_params = controlled_params([p + t for p, t in zip(prompt, ar.tokens)],
-                                         depth_distribution_for_tau(tau, drafter.depth))
-      decode = lambda shape, auto=False: decode_prompts(
+                                         depth_distribution_for_tau(tau, drafters[0].depth))
+      decode = lambda drafter, shape, auto=False: decode_prompts(
           params, config, drafter, drafter_params, prompt, n, tree_shape=shape,
           stop_tokens=(), auto=auto)
-      method_s = {"AR": (n - 1) * seconds[0]}  # the prefill commits the first token
+      # Each method's seconds on each draw sequence; AR's do not depend on the draws (the
+      # prefill commits the first token).
+      method_s = {"AR": [(n - 1) * seconds[0]] * args.draws}
       for budget in args.budgets:
-        fixed = decode(TreeShape("top_n", budget, 7))
-        method_s[f"JetFlow {budget}"] = len(fixed.committed_per_round[0]) * seconds[
-            ladder.index(budget)]
-      best = min(method_s.values())
-      os.environ[COST_TABLES_ENV] = os.path.join(directory, f"tau{tau:g}_n{n}.json")
-      ratios, chosen = [], []
-      for _ in range(args.runs):
-        result = decode(TreeShape("top_n", max(args.budgets), 7), auto=True)
-        if result.tokens != ar.tokens:
-          raise SystemExit(f"auto's tokens differ from AR's at tau {tau:g}, {n} tokens")
-        ratios.append(best / cost(result.budgets))
-        chosen.append({str(b): result.budgets.count(b) for b in sorted(set(result.budgets))})
-      name = f"tau {tau:g} n{n}"
-      cells[name] = {"seconds": method_s, "auto / best by run": ratios, "auto rounds": chosen}
-      rows.append(f"| {tau:g} | {n} | " + " | ".join(f"{s:.1f}" for s in method_s.values())
+        method_s[f"JetFlow {budget}"] = [
+            len(decode(d, TreeShape("top_n", budget, 7)).committed_per_round[0])
+            * seconds[ladder.index(budget)] for d in drafters]
+      # Each run index is one pass of the users over every draw sequence (user u's run r takes
+      # draw (u + r) mod K): its total is set against each method's total on the same draws,
+      # the best method picked once for the setting, as a user would pick a fixed budget.
+      best = min(sum(s) for s in method_s.values())
+      auto_s = np.zeros((args.runs, args.draws))  # by run, by draw
+      chosen = [[None] * args.draws for _ in range(args.runs)]
+      for user in range(args.draws):
+        os.environ[COST_TABLES_ENV] = os.path.join(directory, f"tau{tau:g}_n{n}_{user}.json")
+        for run in range(args.runs):
+          draw = (user + run) % args.draws
+          result = decode(drafters[draw], TreeShape("top_n", max(args.budgets), 7), auto=True)
+          if result.tokens != ar.tokens:
+            raise SystemExit(f"auto's tokens differ from AR's at tau {tau:g}, {n} tokens")
+          auto_s[run, draw] = cost(result.budgets)
+          chosen[run][draw] = {str(b): result.budgets.count(b)
+                               for b in sorted(set(result.budgets))}
+      ratios = best / auto_s.sum(axis=1)
+      cells[f"tau {tau:g} n{n}"] = {
+          "seconds by draw": method_s, "auto seconds by run and draw": auto_s.tolist(),
+          "auto / best by run": ratios.tolist(), "auto rounds by run and draw": chosen}
+      rows.append(f"| {tau:g} | {n} | " + " | ".join(f"{sum(s) / args.draws:.1f}"
+                                                      for s in method_s.values())
                   + f" | {ratios[0]:.2f} | {min(ratios[1:], default=np.nan):.2f} | "
-                  f"{np.median(ratios[1:]) if len(ratios) > 1 else np.nan:.2f} |")
-  print(f"\nreplayed seconds per request; auto over the best of AR and JetFlow "
-        f"{', '.join(map(str, args.budgets))}: the first run (no record), then the least and "
-        f"the median of the {args.runs - 1} after it (record on disk)")
+                  f"{np.median(ratios[1:]) if args.runs > 1 else np.nan:.2f} |")
+  over = f" over {args.draws} draw sequences" if args.draws > 1 else ""
+  print(f"\nreplayed seconds per request{over} (mean); auto over the best of AR and JetFlow "
+        f"{', '.join(map(str, args.budgets))} on the same requests: the first run (no record), "
+        f"then the least and the median of the {args.runs - 1} after it (record on disk)")
   print("| tau | new tokens | " + " | ".join(method_s) + " | auto, first | auto, later: least "
         "| auto, later: median |")
   print("|---" * (len(method_s) + 5) + "|")
