@@ -8,6 +8,7 @@ import torch
 
 import jetflow_jax
 from jetflow_jax.decoding import generate
+from jetflow_jax.decoding.loop import CompileCache, memory_maps
 from jetflow_jax.model import KVCache, forward, lm_logits
 from jetflow_jax.sampling import Greedy, make_sampler
 
@@ -115,7 +116,6 @@ def test_data_parallel_generate_equals_one_device(make_checkpoint, rng):
 def test_a_crowded_process_lets_go_of_its_executables():
   """Past the share of memory maps it may hold, the compile cache empties (an XLA:CPU
   executable holds hundreds; at vm.max_map_count the next compile would crash), below it keeps."""
-  from jetflow_jax.decoding.loop import CompileCache, memory_maps
   if memory_maps() is None:
     pytest.skip("no /proc: the process's memory maps cannot be counted here")
   cache = CompileCache()

@@ -204,7 +204,8 @@ def compile_flush(drafter_params, prefill_fn, drafter: Drafter, mesh: DecodeMesh
     return flush.lower(abstract(drafter_params, KEEP if mesh is not None else None),
                        abstract(prefill_fn.out_info, shardings), drafter=drafter).compile()
 
-  return compiled.get(("flush", id(prefill_fn), drafter), build)
+  # The entry holds the prefill too, so that its id names no other program while it is kept.
+  return compiled.get(("flush", id(prefill_fn), drafter), lambda: (prefill_fn, build()))[1]
 
 
 def compile_decode(target_params, drafter_params, rows: Rows, spec: RoundSpec, capacity: int,
