@@ -11,7 +11,10 @@ Parts:
   repeated (batch 8), at each of `--new-tokens`;
 - `qwen3-0.6b`, `qwen3-1.7b`: real Qwen3 shapes with random float32 weights and the controlled
   drafter at each of `--taus` (a round commits tau tokens on average; trees pay), through
-  `decode_prompts`, one 64-token random prompt, at each of `--cpu-new-tokens`;
+  `decode_prompts`, one 64-token random prompt, at each of `--cpu-new-tokens`; each pass draws
+  the drafter's accepted depths from its own seed (the same for every cell of the pass): another
+  request of the same acceptance, so that the record kept on disk meets new draws, as a user's
+  next request would, and the median is over several draw sequences, not one;
 - `decode_py`: `decode.py --prompt P --json` for each of the five prompts, one process after
   another (its `speedup` is auto over AR in the same process), the cost table absent before the
   first and on disk after it.
@@ -82,16 +85,17 @@ def rotated(cells, repeat):
 
 
 def measure(scenario: str, cells: dict, repeats: int, tables: Tables, reference) -> dict:
-  """Runs every cell `repeats` times, alternated and rotated; each run returns Generation."""
+  """Runs every cell `repeats` times, alternated and rotated; each run takes the pass's draw
+  (0 for the first, untimed one) and returns a Generation."""
   for name, run in cells.items():  # compiles; auto's present table and record
     tables.use(name != "auto, table absent", scenario)
-    run()
+    run(0)
   rates, chosen = collections.defaultdict(list), collections.defaultdict(collections.Counter)
   exact = True
   for repeat in range(repeats):
     for name in rotated(list(cells), repeat):
       tables.use(name != "auto, table absent", scenario)
-      result = cells[name]()
+      result = cells[name](repeat + 1)
       rates[name].append(result.num_tokens / result.wall_s)
       chosen[name].update(result.budgets)
       exact &= result.tokens == reference
@@ -117,7 +121,7 @@ def embedded_part(args, tables: Tables) -> dict:
       groups = [[p] for p in ids] if batch == 1 else [(ids * batch)[:batch]]
 
       def cell(method, budget):
-        def run():
+        def run(draw):  # real prompts: the same each pass
           results = [speculative_generate(
               params, config, head_params, head_config, prompts, new_tokens, method=method,
               budget=budget, max_budget=max(args.budgets), warmup=True, warn=lambda _: None)
@@ -128,7 +132,7 @@ def embedded_part(args, tables: Tables) -> dict:
       cells = {"AR": cell("ar", 1), **{f"JetFlow {b}": cell("jetflow", b) for b in args.budgets},
                "auto, table absent": cell("jetflow", "auto"),
                "auto, table present": cell("jetflow", "auto")}
-      reference = cells["AR"]().tokens
+      reference = cells["AR"](0).tokens
       name = f"embedded b{batch} n{new_tokens}"
       out[name] = measure(name, cells, args.repeats, tables, reference)
       print(row(name, out[name]), flush=True)
@@ -156,16 +160,17 @@ def controlled_part(args, tables: Tables, preset: str) -> dict:
     ar = generate(params, config, prompt, new_tokens, stop_tokens=())
     reference = [p + t for p, t in zip(prompt, ar.tokens)]
     for tau in args.taus:
-      drafter_params = controlled_params(reference, depth_distribution_for_tau(tau, 15))
+      distribution = depth_distribution_for_tau(tau, drafter.depth)
 
       def cell(budget, auto_on=False):
-        return lambda: decode_prompts(
-            params, config, drafter, drafter_params, prompt, new_tokens,
+        return lambda draw: decode_prompts(
+            params, config, drafter, controlled_params(reference, distribution, seed=draw),
+            prompt, new_tokens,
             tree_shape=TreeShape("top_n", max(args.budgets) if auto_on else budget, 7),
             stop_tokens=(), auto=auto_on, warmup=True)
 
-      cells = {"AR": lambda: generate(params, config, prompt, new_tokens, stop_tokens=(),
-                                      warmup=True),
+      cells = {"AR": lambda draw: generate(params, config, prompt, new_tokens, stop_tokens=(),
+                                           warmup=True),
                **{f"JetFlow {b}": cell(b) for b in args.budgets},
                "auto, table absent": cell(None, True), "auto, table present": cell(None, True)}
       name = f"{preset} tau {tau:g} n{new_tokens}"

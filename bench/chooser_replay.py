@@ -21,8 +21,8 @@ between them. `--draws K` replays K of them (the drafter's seed 0..K-1, each as 
 request as another prompt would be): K users, each with a record of its own, whose `--runs`
 requests take the seeds in turn, each user from a different one, so that every run index
 covers each draw sequence once; auto's time over them is set against each method's over the
-same requests. Each seed compiles rounds of its own (it is static in them), a few minutes for
-every context bucket. With one draw (the default) the table is the single prompt's.
+same requests. The seed is a traced param: every draw runs the same compiled rounds. With one
+draw (the default) the table is the single prompt's.
 """
 
 from __future__ import annotations
@@ -89,17 +89,17 @@ def main() -> None:
   config, _ = step_costs.preset_pair(step_costs.PRESETS["qwen3-0.6b"], layers=2, vocab=256)
   params = jax.jit(init_params, static_argnums=(0,))(config, jax.random.key(0))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64)).tolist()
-  drafters = [ControlledDrafter(depth=15, seed=seed, calibrated=args.calibrated)
-              for seed in range(args.draws)]
+  drafter = ControlledDrafter(depth=15, calibrated=args.calibrated)
   cost = lambda budgets: float(sum(seconds[ladder.index(b)] for b in budgets))
   cells, rows = {}, []
   with tempfile.TemporaryDirectory() as directory:
     grid = [(tau, n) for n in args.new_tokens for tau in args.taus]
     for tau, n in tqdm.tqdm(grid, desc="settings"):
       ar = generate(params, config, prompt, n, stop_tokens=())
-      drafter_params = controlled_params([p + t for p, t in zip(prompt, ar.tokens)],
-                                         depth_distribution_for_tau(tau, drafters[0].depth))
-      decode = lambda drafter, shape, auto=False: decode_prompts(
+      draws = [controlled_params([p + t for p, t in zip(prompt, ar.tokens)],
+                                 depth_distribution_for_tau(tau, drafter.depth), seed=seed)
+               for seed in range(args.draws)]
+      decode = lambda drafter_params, shape, auto=False: decode_prompts(
           params, config, drafter, drafter_params, prompt, n, tree_shape=shape,
           stop_tokens=(), auto=auto)
       # Each method's seconds on each draw sequence; AR's do not depend on the draws (the
@@ -108,7 +108,7 @@ def main() -> None:
       for budget in args.budgets:
         method_s[f"JetFlow {budget}"] = [
             len(decode(d, TreeShape("top_n", budget, 7)).committed_per_round[0])
-            * seconds[ladder.index(budget)] for d in drafters]
+            * seconds[ladder.index(budget)] for d in draws]
       # Each run index is one pass of the users over every draw sequence (user u's run r takes
       # draw (u + r) mod K): its total is set against each method's total on the same draws,
       # the best method picked once for the setting, as a user would pick a fixed budget.
@@ -119,7 +119,7 @@ def main() -> None:
         os.environ[COST_TABLES_ENV] = os.path.join(directory, f"tau{tau:g}_n{n}_{user}.json")
         for run in range(args.runs):
           draw = (user + run) % args.draws
-          result = decode(drafters[draw], TreeShape("top_n", max(args.budgets), 7), auto=True)
+          result = decode(draws[draw], TreeShape("top_n", max(args.budgets), 7), auto=True)
           if result.tokens != ar.tokens:
             raise SystemExit(f"auto's tokens differ from AR's at tau {tau:g}, {n} tokens")
           auto_s[run, draw] = cost(result.budgets)

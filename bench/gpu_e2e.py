@@ -238,7 +238,7 @@ def run(plan: Plan) -> dict:
   all_prompts = rng.integers(0, plan.config.vocab_size,
                              (max(plan.batches), plan.prompt_len)).tolist()
   prompts_by_batch = {batch: all_prompts[:batch] for batch in plan.batches}
-  drafter = ControlledDrafter(depth=plan.depth, seed=plan.seed)
+  drafter = ControlledDrafter(depth=plan.depth)
   precompile_s = 0.0
   if plan.compile_workers > 1:
     precompile_s = precompile(plan, target_params, prompts_by_batch, drafter)
@@ -254,7 +254,7 @@ def run(plan: Plan) -> dict:
     for budget in plan.budgets + (("auto",) if plan.auto else ()):
       for tau in plan.taus:
         distribution = depth_distribution_for_tau(tau, plan.depth, plan.distribution)
-        params = controlled_params(reference, distribution)
+        params = controlled_params(reference, distribution, seed=plan.seed)
         auto = budget == "auto"
         generation = best_run(plan.repeats, lambda: decode_prompts(
             target_params, plan.config, drafter, params, prompts, plan.new_tokens,

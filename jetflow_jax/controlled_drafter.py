@@ -7,8 +7,8 @@ reference tokens at depths 1..k and, from depth k + 1 on, a wrong token as the t
 reference token pushed to the bottom of the vocabulary (out of any top-k). A greedy verify then
 accepts exactly k tokens plus the bonus, whatever the tree, as long as the tree holds the
 top-1 chain down to depth k (a budget of at least depth + 1 nodes does). k is drawn per row
-and round from a distribution over 0..depth, with a key folded with the row index and its
-context length: deterministic, no state, no taps, nothing sent to the host.
+and round from a distribution over 0..depth, with a key made of the params' seed, the row index
+and its context length: deterministic, no state, no taps, nothing sent to the host.
 
 How sure the drafter says it is: certain of every top-1 token by default (log-prob ~0), the
 hardest case for a chooser that calibrates what drafts predict against what rounds accept;
@@ -18,9 +18,10 @@ draft predicts (`decoding.budget.expected_tau`) is tau. (Its other tokens share 
 a vocabulary of a few hundred, they can outrank the deepest nodes of the chain when those are
 unlikely, so a tree of depth + 1 nodes may stop the chain short of a rare long k.)
 
-The distribution is a traced param (`ControlledParams.depth_probs_k`), not a static field:
-one compiled round serves every requested tau, which matters when each compile of an 8B
-round costs tens of seconds of a GPU lease.
+The distribution and the seed are traced params (`ControlledParams`), not static fields: one
+compiled round serves every requested tau and every draw sequence (a seed stands for another
+request of the same difficulty), which matters when each compile of an 8B round costs tens of
+seconds of a GPU lease.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ class ControlledParams:
 
   reference_bs: jax.Array  # int32: each row's prompt, then the target's greedy continuation
   depth_probs_k: jax.Array  # float32 [depth + 1]: P(k correct tokens a round), k = 0..depth
+  seed: jax.Array  # int32 []: the key the draws derive from
 
 
 def controlled_params(reference: Sequence[Sequence[int]] | np.ndarray,
-                      distribution: Sequence[float]) -> ControlledParams:
+                      distribution: Sequence[float], seed: int = 0) -> ControlledParams:
   """Params from per-row token lists (prompt + continuation; ragged rows are zero-padded).
 
   Args:
     reference: per row, the prompt then the target's greedy continuation.
     distribution: P(k correct tokens a round) for k = 0..depth (`depth_distribution_for_tau`
       gives one for a tau).
+    seed: which draws: two seeds are two requests of the same acceptance.
 
   Returns:
     The `ControlledParams`.
@@ -69,7 +72,8 @@ def controlled_params(reference: Sequence[Sequence[int]] | np.ndarray,
       reference_bs[b, :len(row)] = row
   return ControlledParams(reference_bs=jnp.asarray(reference_bs),
                           depth_probs_k=jnp.asarray(check_distribution(distribution),
-                                                    jnp.float32))
+                                                    jnp.float32),
+                          seed=jnp.asarray(seed, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,6 @@ class ControlledDrafter:
 
   Attributes:
     depth: D, the depths it drafts.
-    seed: the key its per-round draws derive from.
     confidence: logit margin of the top-1 token: log-prob ~0, others ~-confidence (and how
       far below the rest the reference token is pushed where it is refused).
     calibrated: the top-1's probability is the chance of its depth being accepted given the
@@ -90,7 +93,6 @@ class ControlledDrafter:
   """
 
   depth: int
-  seed: int = 0
   confidence: float = 30.0
   calibrated: bool = False
   tap_layers: tuple[int, ...] = ()
@@ -104,7 +106,7 @@ class ControlledDrafter:
       raise InputError(f"a depth-{self.depth} drafter needs a distribution over 0..{self.depth} "
                        f"correct tokens (got {params.depth_probs_k.shape[0]} probabilities)")
     rows_b = jnp.arange(context_len_b.shape[0])
-    base = jax.random.key(self.seed)
+    base = jax.random.key(params.seed)
     keys_b = jax.vmap(lambda b, n: jax.random.fold_in(jax.random.fold_in(base, b), n))(
         rows_b, context_len_b)
     log_probs_k = jnp.log(params.depth_probs_k)

@@ -1,6 +1,7 @@
 """The controlled drafter: greedy decoding with it equals AR, each round commits exactly the drawn
 depth plus the bonus, the measured tau meets the requested one; the e2e bench's tiny preset."""
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params
                                             depth_distribution_for_tau, expected_tau,
                                             tau_variance)
 from jetflow_jax.decoding import TreeShape, decode_prompts
+from jetflow_jax.decoding.auto import drafter_fingerprint
 from jetflow_jax.decoding.budget import draft_expected_tau
 from jetflow_jax.errors import InputError
 from test_speculative import PROMPTS, ar_greedy, target  # noqa: F401 (fixture)
@@ -52,8 +54,8 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
   config, _ = target
   vocab = config.vocab_size
   reference_bs = np.random.default_rng(0).integers(0, vocab, (4, 40)).astype(np.int32)
-  params = controlled_params(reference_bs, depth_distribution_for_tau(4.0, DEPTH))
-  drafter = ControlledDrafter(depth=DEPTH, seed=3)
+  params = controlled_params(reference_bs, depth_distribution_for_tau(4.0, DEPTH), seed=3)
+  drafter = ControlledDrafter(depth=DEPTH)
   context_len_b = jnp.array([0, 5, 17, 30], jnp.int32)
   logprobs_bdv = np.asarray(drafter.draft(params, None, config, None, None, context_len_b))
   k_b = np.asarray(drafter.correct_depths(params, context_len_b))
@@ -69,7 +71,7 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
         assert ranked[0] != want and ranked[-1] == want
   # Calibrated: the same ranks, the top-1 as sure as its depth's chance of acceptance, so
   # that the chain's expected tokens are tau (a budget of depth + 1 holds just the chain).
-  calibrated = ControlledDrafter(depth=DEPTH, seed=3, calibrated=True)
+  calibrated = ControlledDrafter(depth=DEPTH, calibrated=True)
   sure_bdv = np.asarray(calibrated.draft(params, None, config, None, None, context_len_b))
   np.testing.assert_array_equal(np.argmax(sure_bdv, -1), np.argmax(logprobs_bdv, -1))
   np.testing.assert_array_equal(np.argmin(sure_bdv, -1), np.argmin(logprobs_bdv, -1))
@@ -78,9 +80,16 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
       at_least_k[1:] / at_least_k[:-1], (4, DEPTH)), rtol=1e-4)
   np.testing.assert_allclose(draft_expected_tau(sure_bdv, (1, DEPTH + 1), 3), [[1.0, 4.0]] * 4,
                              rtol=1e-4)
-  # The draws depend on the row and its context length only.
+  # The draws depend on the seed, the row and its context length only.
   again = drafter.correct_depths(params, jnp.array([0, 5, 99, 30], jnp.int32))
   np.testing.assert_array_equal(np.asarray(again)[[0, 1, 3]], k_b[[0, 1, 3]])
+  many = jnp.arange(256, dtype=jnp.int32)
+  other_seed = dataclasses.replace(params, seed=jnp.int32(4))
+  assert np.any(np.asarray(drafter.correct_depths(other_seed, many))
+                != np.asarray(drafter.correct_depths(params, many)))
+  # A seed is another request of the same drafter: auto keeps one record for all of them.
+  assert drafter_fingerprint(other_seed) == drafter_fingerprint(params) != drafter_fingerprint(
+      controlled_params(reference_bs, depth_distribution_for_tau(5.0, DEPTH), seed=3))
 
 
 def test_greedy_equals_ar_and_commits_the_drawn_depths(target):
@@ -89,7 +98,7 @@ def test_greedy_equals_ar_and_commits_the_drawn_depths(target):
   limit cuts it short; over the full rounds, the mean is within 4 standard errors of tau."""
   config, params = target
   reference = ar_greedy(config, params, PROMPTS, NEW_TOKENS)
-  drafter = ControlledDrafter(depth=DEPTH, seed=1)
+  drafter = ControlledDrafter(depth=DEPTH)
   shape = TreeShape("top_n", 16, 3)  # 16 nodes hold the depth-8 top-1 chain
   context_sb = jnp.arange(max(map(len, PROMPTS)) + NEW_TOKENS)[:, None] + jnp.zeros(
       (1, len(PROMPTS)), jnp.int32)
@@ -98,7 +107,7 @@ def test_greedy_equals_ar_and_commits_the_drawn_depths(target):
                     ("two_point", 4.5)]:
     distribution = depth_distribution_for_tau(tau, DEPTH, kind)
     drafter_params = controlled_params([p + r for p, r in zip(PROMPTS, reference)],
-                                       distribution)
+                                       distribution, seed=1)
     result = decode_prompts(params, config, drafter, drafter_params, PROMPTS, NEW_TOKENS,
                             tree_shape=shape, stop_tokens=())
     assert result.tokens == reference, (kind, tau)

@@ -66,13 +66,15 @@ def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
 
 def drafter_fingerprint(drafter_params) -> str:
   """A short hash of a drafter's params that tells two trained heads apart: every leaf's shape
-  and dtype, and the values of its small leaves (norm scales, a controlled drafter's
-  acceptance), which training moves."""
+  and dtype, and the values of its small float leaves (norm scales, a controlled drafter's
+  acceptance), which training moves. Integer leaves (a controlled drafter's seed) say which
+  request's draws, not how well it drafts: a record is shared across them."""
   digest = hashlib.sha1()
   leaves = jax.tree.leaves(drafter_params)
   for leaf in leaves:
     digest.update(f"{jnp.shape(leaf)}{jnp.result_type(leaf)}".encode())
-  small = [x for x in leaves if jnp.ndim(x) <= 1 and jnp.size(x) <= 65536]
+  small = [x for x in leaves if jnp.ndim(x) <= 1 and jnp.size(x) <= 65536
+           and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   for value in to_host(small):
     digest.update(np.ascontiguousarray(value).tobytes())
   return digest.hexdigest()[:16]
