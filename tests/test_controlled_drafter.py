@@ -17,8 +17,9 @@ from jetflow_jax.controlled_drafter import (ControlledDrafter, controlled_params
                                             depth_distribution_for_tau, expected_tau,
                                             tau_variance)
 from jetflow_jax.decoding import TreeShape, decode_prompts
-from jetflow_jax.decoding.auto import drafter_fingerprint
+from jetflow_jax.decoding.auto import drafter_fingerprint, head_record_key
 from jetflow_jax.decoding.budget import draft_expected_tau
+from jetflow_jax.decoding.round import RoundSpec
 from jetflow_jax.errors import InputError
 from test_speculative import PROMPTS, ar_greedy, target  # noqa: F401 (fixture)
 
@@ -90,6 +91,9 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
   # A seed is another request of the same drafter: auto keeps one record for all of them.
   assert drafter_fingerprint(other_seed) == drafter_fingerprint(params) != drafter_fingerprint(
       controlled_params(reference_bs, depth_distribution_for_tau(5.0, DEPTH), seed=3))
+  # A calibrated drafter's drafts predict otherwise than a certain one's: records of their own.
+  record_key = lambda d: head_record_key(RoundSpec(config, d, TreeShape("top_n", 16, 3)), params)
+  assert record_key(calibrated) != record_key(drafter) == record_key(ControlledDrafter(DEPTH))
 
 
 def test_greedy_equals_ar_and_commits_the_drawn_depths(target):

@@ -81,11 +81,16 @@ def drafter_fingerprint(drafter_params) -> str:
 
 
 def head_record_key(spec: RoundSpec, drafter_params) -> dict:
-  """What a drafter's acceptance depends on: the target's shape, the drafter and its params,
-  the tree and whether rows sample."""
+  """What a drafter's acceptance depends on: the target's shape, the drafter, its settings (a
+  controlled drafter's `calibrated`, say, changes what its drafts predict) and its params, the
+  tree and whether rows sample."""
   key = cost_key("", spec.config, getattr(spec.drafter, "config", None))
+  fields = dataclasses.fields(spec.drafter) if dataclasses.is_dataclass(spec.drafter) else ()
+  settings = {f.name: getattr(spec.drafter, f.name) for f in fields
+              if isinstance(getattr(spec.drafter, f.name), (bool, int, float, str))}
   return {"target": key["target"], "head": key["head"],
           "drafter": type(spec.drafter).__name__, "depth": spec.drafter.depth,
+          "settings": settings,
           "params": drafter_fingerprint(drafter_params), "tree": spec.tree_shape.kind,
           "top_k": spec.tree_shape.top_k, "ladder": list(spec.ladder), "sampled": spec.sampled}
 
