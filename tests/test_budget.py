@@ -103,6 +103,27 @@ def test_acceptance_model_calibrates_each_row_and_falls_back_to_the_prior():
   assert np.all(model.estimate() <= np.array(ladder)) and np.all(model.estimate() >= 1.0)
 
 
+def test_a_rows_upper_estimate_narrows_as_its_drafts_add_up():
+  """`estimate(z)`: each row's observed gains `z` standard errors up (geometric lengths: a
+  draft's gain m has variance m (1 + m)): the point estimate before any draft, far above it
+  after one unlucky draft, close to it after many."""
+  ladder = (1, 16)
+  model = AcceptanceModel(ladder, rows=2, prior_tau_l=np.array([1.0, 4.0]), prior_weight=4.0,
+                          decay=1.0)
+  np.testing.assert_allclose(model.estimate(2.0), model.estimate())
+  predicted_bl = np.array([[1.0, 16.0]] * 2)
+  model.update(predicted_bl, np.array([1.0, 1.0]), budget=16, active_b=[True, False])
+  # Row 0: one draft that gained nothing of 15 predicted; its mean gain (0 + 1) / (1 + 1).
+  spread = np.sqrt(0.5 * 1.5 * 1)
+  assert model.estimate()[0, 1] == pytest.approx(1 + 15 * 4 / 19)
+  assert model.estimate(2.0)[0, 1] == pytest.approx(1 + 15 * (4 + 2 * spread) / 19)
+  np.testing.assert_allclose(model.estimate(2.0)[1], model.estimate()[1])  # row 1: no draft
+  for _ in range(400):  # 3 of 15 predicted, round after round
+    model.update(predicted_bl, np.array([4.0, 4.0]), budget=16)
+  point, upper = model.estimate()[:, 1], model.estimate(2.0)[:, 1]
+  assert np.all(upper > point) and np.all(upper < 1.1 * point)
+
+
 def test_a_known_drafter_seeds_each_rows_calibration():
   """A drafter whose record says it accepts half its predicted gain: one round that accepts
   nothing moves a row by one round's weight against PRIOR_DRAFTS drafts of the record (all of

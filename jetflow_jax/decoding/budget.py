@@ -92,7 +92,8 @@ class AcceptanceModel:
   `decay` per AR round); with `prior_gain_l` (the gains past drafts predicted on average) it
   drifts back to 1 + its own ratio x `prior_gain_l` instead, so that what its rounds accepted
   is not forgotten with the draft. After `explore_every` AR rounds in a row `probe_due` asks
-  for a tree.
+  for a tree. `estimate(z)` takes each row's observed gains `z` standard errors up: what it
+  could commit for all its few drafts tell (the prior counts as known).
   """
 
   ladder: tuple[int, ...]
@@ -110,6 +111,7 @@ class AcceptanceModel:
       raise InputError("the prior needs one value per ladder budget, the ladder starting at AR")
     self.observed_b = np.zeros(self.rows)  # decayed sums of gains
     self.predicted_b = np.zeros(self.rows)
+    self.drafts_b = np.zeros(self.rows)  # decayed count of drafting rounds
     self.last_bl = np.full((self.rows, len(self.ladder)), np.nan)  # the last draft's prediction
     self.ar_rounds_b = np.zeros(self.rows, np.int64)  # AR rounds since the last tree round
 
@@ -117,6 +119,7 @@ class AcceptanceModel:
     """Forgets the given rows (a bool mask or indices): a new request took their slots."""
     self.observed_b[rows_b] = 0.0
     self.predicted_b[rows_b] = 0.0
+    self.drafts_b[rows_b] = 0.0
     self.last_bl[rows_b] = np.nan
     self.ar_rounds_b[rows_b] = 0
 
@@ -137,21 +140,27 @@ class AcceptanceModel:
     self.observed_b = np.where(active_b, self.decay * self.observed_b + gain_b, self.observed_b)
     self.predicted_b = np.where(active_b, self.decay * self.predicted_b + predicted_gain_b,
                                 self.predicted_b)
+    self.drafts_b = np.where(active_b, self.decay * self.drafts_b + 1.0, self.drafts_b)
     self.last_bl[active_b] = predicted_bl[active_b]
     self.ar_rounds_b[active_b] = 0
 
-  def ratio_b(self) -> np.ndarray:
-    """Each row's calibration: observed gain per predicted gain."""
-    return ((self.prior_ratio * self.prior_weight + self.observed_b)
+  def ratio_b(self, z: float = 0.0) -> np.ndarray:
+    """Each row's calibration: observed gain per predicted gain; with `z`, its observed gains
+    taken `z` standard errors up (geometric lengths: a draft's gain m has variance m (1 + m))."""
+    mean_b = (self.observed_b + 1.0) / (self.drafts_b + 1.0)
+    spread_b = np.sqrt(mean_b * (1.0 + mean_b) * self.drafts_b)
+    return ((self.prior_ratio * self.prior_weight + self.observed_b + z * spread_b)
             / (self.prior_weight + self.predicted_b))
 
-  def estimate(self) -> np.ndarray:
-    """Expected committed tokens `[B, L]` of every row at every ladder budget."""
-    drafted_bl = 1.0 + self.ratio_b()[:, None] * (np.nan_to_num(self.last_bl, nan=1.0) - 1.0)
+  def estimate(self, z: float = 0.0) -> np.ndarray:
+    """Expected committed tokens `[B, L]` of every row at every ladder budget (with `z`, as
+    `ratio_b(z)` says: what they could commit for all their rows' few drafts tell)."""
+    ratio_b = self.ratio_b(z)
+    drafted_bl = 1.0 + ratio_b[:, None] * (np.nan_to_num(self.last_bl, nan=1.0) - 1.0)
     # The last draft's weight: 1 right after it, fading with each AR round, 0 before any.
     fresh_b1 = np.where(np.isnan(self.last_bl[:, :1]), 0.0, self.decay ** self.ar_rounds_b[:, None])
     drift_bl = (self.prior_tau_l[None] if self.prior_gain_l is None
-                else 1.0 + self.ratio_b()[:, None] * self.prior_gain_l)
+                else 1.0 + ratio_b[:, None] * self.prior_gain_l)
     tau_bl = fresh_b1 * drafted_bl + (1.0 - fresh_b1) * drift_bl
     return np.clip(tau_bl, 1.0, np.asarray(self.ladder, np.float64))
 

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.decoding.auto import FIRST_LOOK_SHARE, PROBE_SHARE, head_record_key
-from jetflow_jax.decoding.budget import (HeadRecord, best_budget, cost_key, cost_tables_path,
-                                         first_look_index, kept_seconds, load_head_record,
-                                         optimistic_tau, probe_index, save_head_record)
+from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_key,
+                                         cost_tables_path, first_look_index, kept_seconds,
+                                         load_head_record, optimistic_tau, probe_index,
+                                         save_head_record)
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.partitioning import kernel_layout
@@ -158,7 +159,7 @@ class BudgetChooser:
     return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
   def _tokens(self, busy_b) -> np.ndarray:
-    tokens_l = self.model.estimate()[busy_b].sum(axis=0)
+    tokens_l = self.model.estimate(UPPER_Z)[busy_b].sum(axis=0)
     tokens_l[0] = busy_b.sum()
     return tokens_l
 
