@@ -10,11 +10,11 @@ while its few drafts cannot rule out that trees win. On the point estimate, rows
 break-even left trees at their first unlucky stretch and learnt nothing more, and the record
 they left kept later requests on AR: replayed at Qwen3-0.6B times over six draw sequences, tau
 4 at 128 and 512 tokens, where JetFlow 16 beats AR by 17%, auto read 0.87-0.92 of it, and
-1.00 since. A tree probe runs only where it can pay
-for itself within the request (`budget.probe_index`: its chance of finding trees paying, from
-this drafter's past probes, times what trees could save over the tokens left, against what
-the probe costs, the flush of the held-back context included), and probes are spaced so that
-they cost a small share of the AR time. A row never drafted starts from what this drafter
+0.98-1.01 since. A tree probe runs only where it can pay for itself within the request
+(`budget.probe_index`: its chance of finding trees paying, from this drafter's past probes,
+times what trees could save over the tokens left, against what the probe costs, the flush of
+the held-back context included), and probes are spaced so that they cost a small share of the
+AR time. A row never drafted starts from what this drafter
 accepted in past runs on this target (`budget.HeadRecord`); a request may probe it at once
 where that record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`).
 A drafter never seen starts from AR and gets one look: the probe that risks least, once that
