@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 import warnings
@@ -77,6 +76,14 @@ def draft_expected_tau(depth_logprobs_bdv, ladder: Sequence[int], top_k: int,
   if kind == "accum":
     return expected_tau(build_tree_accum(depth_logprobs_bdv, budget, top_k), ladder, True)
   return expected_tau(build_tree(depth_logprobs_bdv, budget, top_k), ladder)
+
+
+def gains_up(observed, drafts, z: float):
+  """Summed gains of `drafts` drafts taken `z` standard errors up. The spread is what i.i.d.
+  acceptance gives (geometric lengths: a draft's gain m has variance m (1 + m)), m estimated
+  with one pseudo-draft of gain 1 so that a few drafts that gained nothing still leave room."""
+  mean = (observed + 1.0) / (drafts + 1.0)
+  return observed + z * np.sqrt(mean * (1.0 + mean) * drafts)
 
 
 @dataclasses.dataclass
@@ -146,10 +153,8 @@ class AcceptanceModel:
 
   def ratio_b(self, z: float = 0.0) -> np.ndarray:
     """Each row's calibration: observed gain per predicted gain; with `z`, its observed gains
-    taken `z` standard errors up (geometric lengths: a draft's gain m has variance m (1 + m))."""
-    mean_b = (self.observed_b + 1.0) / (self.drafts_b + 1.0)
-    spread_b = np.sqrt(mean_b * (1.0 + mean_b) * self.drafts_b)
-    return ((self.prior_ratio * self.prior_weight + self.observed_b + z * spread_b)
+    taken `z` standard errors up (`gains_up`)."""
+    return ((self.prior_ratio * self.prior_weight + gains_up(self.observed_b, self.drafts_b, z))
             / (self.prior_weight + self.predicted_b))
 
   def estimate(self, z: float = 0.0) -> np.ndarray:
@@ -390,8 +395,7 @@ class HeadRecord:
     gives (geometric lengths, variance m (1 + m)), so a record of a few drafts, which one
     unlucky stretch of a request can fill, still lets a probe find out, and a long one does
     not. AR for a drafter never seen."""
-    mean = (self.observed + 1.0) / (self.drafts + 1.0)
-    upper = self.observed + UPPER_Z * math.sqrt(mean * (1.0 + mean) * self.drafts)
+    upper = float(gains_up(self.observed, self.drafts, UPPER_Z))
     return self._tau_at((upper + 1.0) / (self.predicted + 1.0))
 
   def ratio(self) -> float:
