@@ -6,26 +6,24 @@ The host decides between short runs of the device loop: one round at a time whil
 (each round's prediction and acceptance update the model), `SURE_RUNS` where even the rows'
 gains `budget.UPPER_Z` standard errors down pick the same tree (a decision is a host round
 trip), longer runs of AR rounds while trees do not pay (no draft runs then, so nothing new is
-learnt). "Pay" is judged with each row's observed
-gains `budget.UPPER_Z` standard errors up (`AcceptanceModel.estimate`): a row keeps drafting
-while its few drafts cannot rule out that trees win. On the point estimate, rows near the
-break-even left trees at their first unlucky stretch and learnt nothing more, and the record
-they left kept later requests on AR: replayed at Qwen3-0.6B times over six draw sequences, tau
-4 at 128 and 512 tokens, where JetFlow 16 beats AR by 17%, auto read 0.87-0.92 of it, and
-0.98-1.01 since. A tree probe runs only where it can pay for itself within the request
-(`budget.probe_index`: its chance of finding trees paying, from this drafter's past probes,
-times what trees could save over the tokens left, against what the probe costs, the flush of
-the held-back context included), and probes are spaced so that they cost a small share of the
-AR time. A row never drafted starts from what this drafter
-accepted in past runs on this target (`budget.HeadRecord`); a request may probe it at once
-where that record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`).
-A drafter never seen starts from AR and gets one look: the probe that risks least, once that
-is a small share of the AR time of the request and of the drafter's earlier unseen runs
-(`budget.first_look_index`); a row's calibration starts from the record too
-(`HeadRecord.acceptance_model`). Every budget's round is one compiled variant; its time and
-the flush's are measured once per shape (a few rounds on copies of the state) and kept, in
-this process and in the cost tables file (`budget.cost_tables_path()`), with the drafter's
-record, for the next.
+learnt). "Pay" is judged with each row's observed gains `budget.UPPER_Z` standard errors up
+(`AcceptanceModel.estimate`): a row keeps drafting while its few drafts cannot rule out that
+trees win. On the point estimate, rows near the break-even left trees at their first unlucky
+stretch and learnt nothing more, and the record they left kept later requests on AR: replayed at
+Qwen3-0.6B times over six draw sequences, tau 4 at 128 and 512 tokens, where JetFlow 16 beats AR
+by 17%, auto read 0.87-0.92 of it, and 0.98-1.01 since. A tree probe runs only where it can pay
+for itself within the request (`budget.probe_index`: its chance of finding trees paying, from
+this drafter's past probes, times what trees could save over the tokens left, against what the
+probe costs, the flush of the held-back context included), and probes are spaced so that they
+cost a small share of the AR time. A row never drafted starts from what this drafter accepted in
+past runs on this target (`budget.HeadRecord`); a request may probe it at once where that
+record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`). A drafter never
+seen starts from AR and gets one look: the probe that risks least, once that is a small share of
+the AR time of the request and of the drafter's earlier unseen runs (`budget.first_look_index`);
+a row's calibration starts from the record too (`HeadRecord.acceptance_model`). Every budget's
+round is one compiled variant; its time and the flush's are measured once per shape (a few
+rounds on copies of the state) and kept, in this process and in the cost tables file
+(`budget.cost_tables_path()`), with the drafter's record, for the next.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest co
 AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
 SURE_RUNS = 4  # tree rounds run back to back where the choice is sure: the rows' gains
 # `UPPER_Z` standard errors down pick the same budget (each decision costs a host round trip,
-# 2-4% of a round at Qwen3-0.6B shapes on CPU)
+# 2-5% of a JetFlow 16 round at Qwen3-0.6B shapes on CPU)
 PROBE_SHARE = 0.02  # probes spaced so that each costs at most this share of the AR rounds between
 FIRST_LOOK_SHARE = 0.05  # a drafter never seen gets one probe that risks at most this share of
 # the AR time spent with it, this request included (`budget.first_look_index`)
@@ -199,15 +197,20 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   streamed = time.perf_counter()
   held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
   finishing = False  # AR to the end of the request, through `finish`
+
+  def best_at(z: float, live_b) -> int:
+    """The best budget for the live rows at their gains `z` standard errors up."""
+    tokens_l = model.estimate(z)[live_b].sum(axis=0)
+    tokens_l[0] = live_b.sum()
+    return best_budget(tokens_l, seconds_l, ladder).index
+
   while not done_b.all():
     live_b = ~done_b
-    tokens_l = model.estimate(UPPER_Z)[live_b].sum(axis=0)
-    tokens_l[0] = live_b.sum()
     probing = False
     if finishing:
       index, runs = 0, ar_run
     elif schedule is None:
-      index = best_budget(tokens_l, seconds_l, ladder).index
+      index = best_at(UPPER_Z, live_b)
       if not index and may_probe:
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
         worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
@@ -225,10 +228,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         probing = index > 0
       wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
       if index:  # several rounds where even the gains UPPER_Z standard errors down agree
-        lower_l = model.estimate(-UPPER_Z)[live_b].sum(axis=0)
-        lower_l[0] = live_b.sum()
-        runs = (SURE_RUNS if not probing
-                and best_budget(lower_l, seconds_l, ladder).index == index else 1)
+        runs = SURE_RUNS if not probing and best_at(-UPPER_Z, live_b) == index else 1
       else:
         runs = min(ar_run, wait) if may_probe else ar_run
       prior_l = record.prior_tau() * live_b.sum()
@@ -258,10 +258,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         model.update(predicted_bl, observed_b, budget, ran_b > r)
         record.add_drafts(predicted_bl, observed_b, budget, ran_b > r)
       if probing:  # won: the model now says a tree pays
-        tokens_l = model.estimate(UPPER_Z)[live_b].sum(axis=0)
-        tokens_l[0] = live_b.sum()
         record.probes += 1
-        record.wins += float(best_budget(tokens_l, seconds_l, ladder).index > 0)
+        record.wins += float(best_at(UPPER_Z, live_b) > 0)
     else:
       for r in range(int(ran_b.max())):
         model.update(None, None, 1, ran_b > r)
