@@ -200,9 +200,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
 
   def best_at(z: float, live_b) -> int:
     """The best budget for the live rows at their gains `z` standard errors up."""
-    tokens_l = model.estimate(z)[live_b].sum(axis=0)
-    tokens_l[0] = live_b.sum()
-    return best_budget(tokens_l, seconds_l, ladder).index
+    return best_budget(model.estimate(z)[live_b].sum(axis=0), seconds_l, ladder).index
 
   while not done_b.all():
     live_b = ~done_b
@@ -232,7 +230,6 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       else:
         runs = min(ar_run, wait) if may_probe else ar_run
       prior_l = record.prior_tau() * live_b.sum()
-      prior_l[0] = live_b.sum()
       finishing = finishing or (finish is not None and not index and not may_probe
                                 and not best_budget(prior_l, seconds_l, ladder).index)
     else:

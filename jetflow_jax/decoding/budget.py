@@ -159,7 +159,8 @@ class AcceptanceModel:
 
   def estimate(self, z: float = 0.0) -> np.ndarray:
     """Expected committed tokens `[B, L]` of every row at every ladder budget (with `z`, as
-    `ratio_b(z)` says: what they could commit for all their rows' few drafts tell)."""
+    `ratio_b(z)` says: what they could commit for all their rows' few drafts tell). AR's
+    column is 1 (the clip to the ladder), so summed over rows it counts them."""
     ratio_b = self.ratio_b(z)
     drafted_bl = 1.0 + ratio_b[:, None] * (np.nan_to_num(self.last_bl, nan=1.0) - 1.0)
     # The last draft's weight: 1 right after it, fading with each AR round, 0 before any.

@@ -159,9 +159,7 @@ class BudgetChooser:
     return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
   def _tokens(self, busy_b) -> np.ndarray:
-    tokens_l = self.model.estimate(UPPER_Z)[busy_b].sum(axis=0)
-    tokens_l[0] = busy_b.sum()
-    return tokens_l
+    return self.model.estimate(UPPER_Z)[busy_b].sum(axis=0)
 
   def choose(self, busy_b, remaining_b=None) -> int:
     """The budget of the next step over the `busy_b` slots (a bool mask); `remaining_b`: the
