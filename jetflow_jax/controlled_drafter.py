@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetflow_jax.decoding.budget import AcceptancePrior
+from jetflow_jax.distributed import to_host
 from jetflow_jax.errors import InputError
 
 
@@ -144,6 +146,17 @@ class ControlledDrafter:
     at_least_k = jnp.cumsum(params.depth_probs_k[::-1])[::-1]  # P(k >= j), j = 0..depth
     return jnp.where(at_least_k[:-1] > 0, at_least_k[1:] / jnp.maximum(at_least_k[:-1], 1e-30),
                      0.0)
+
+  def acceptance_prior(self, params: ControlledParams, ladder: Sequence[int]):
+    """What it commits and predicts at each ladder budget, greedy, from its distribution: a
+    tree of n nodes holds the top-1 chain down to depth n - 1, so a round commits
+    1 + E[min(k, n - 1)]; its drafts predict that too when `calibrated`, else (sure of every
+    top-1) 1 + min(n - 1, depth)."""
+    probs_k = check_distribution(to_host(params.depth_probs_k))
+    at_least_d = np.cumsum(probs_k[::-1])[::-1][1:]  # P(k >= d), d = 1..depth
+    chain_l = np.minimum(np.asarray(ladder) - 1, self.depth)
+    tau_l = 1.0 + np.array([at_least_d[:n].sum() for n in chain_l])
+    return AcceptancePrior(tau_l=tau_l, predicted_l=tau_l if self.calibrated else 1.0 + chain_l)
 
   def commit(self, params, state, taps_btld, start_b):
     return state

@@ -19,6 +19,10 @@ target's: the tree is built over the draft ids, then its tokens are mapped, so v
 and acceptance see target ids only (`target_ids` below; drafters without them draft over the
 target's vocabulary).
 
+A drafter that knows what to expect of itself also has `acceptance_prior(params, ladder)`: a
+`decoding.budget.AcceptancePrior` (committed and predicted tokens at each ladder budget) or
+None; `--budget auto` starts a target it has never drafted for from it (`drafter_prior` below).
+
 Its params are an explicit pytree passed in by the caller. The trained head is the
 default; the tests' cheating drafter and a researcher's n-gram or EAGLE-style drafter
 plug in the same way.
@@ -178,3 +182,9 @@ def target_ids(drafter: Drafter, params, ids):
   """The target ids of token ids the drafter drafted (its draft vocabulary's, if it has one)."""
   to_target = getattr(drafter, "to_target_ids", None)
   return ids if to_target is None else to_target(params, ids)
+
+
+def drafter_prior(drafter: Drafter, params, ladder):
+  """The drafter's `acceptance_prior` at these ladder budgets, None where it has none."""
+  prior = getattr(drafter, "acceptance_prior", None)
+  return None if prior is None else prior(params, tuple(ladder))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, AcceptanceModel,
-                                         CostTable, HeadRecord, best_budget, budget_ladder,
+                                         AcceptancePrior, CostTable, HeadRecord, best_budget, budget_ladder,
                                          choose_budget, cost_key, draft_expected_tau,
                                          expected_tau, first_look_index, kept_seconds,
                                          load_cost_table, load_head_record, probe_index,
@@ -373,6 +373,60 @@ def test_head_record_prior_chance_and_file(tmp_path):
   for _ in range(3):
     many.add_drafts(np.tile(predicted[:1], (4000, 1)), np.full(4000, 3.0), 16, np.ones(4000))
   assert many.drafts == 4096 and np.isclose(many.observed / many.predicted, 2 / 3)
+
+
+def test_a_row_doubts_its_drafters_record_as_much_as_the_record_is_thin():
+  """At the same ratio (3 of 15 predicted gains: 4 tokens at 16), 8 unlucky rounds send a row
+  of a drafter known from 4,096 drafts below 3.2 tokens, one known from 8 (or from its prior)
+  not below 4: the record's own standard error counts once the row drafts. A row never
+  drafted reads the record's point estimate (whether to try a tree is a probe's to say)."""
+  ladder, predicted_l = (1, 4, 16), np.array([1.0, 4.0, 16.0])
+  estimates = []
+  for drafts in (8.0, 4096.0):
+    record = HeadRecord({}, ladder, observed=3 * drafts, predicted=15 * drafts, drafts=drafts,
+                        predicted_gain_l=drafts * (predicted_l - 1))
+    model = record.acceptance_model(rows=2, explore_every=32)
+    np.testing.assert_allclose(model.estimate(UPPER_Z)[1], record.prior_tau())
+    for _ in range(8):
+      model.update(np.stack([predicted_l] * 2), [1.0, 1.0], 16, [True, False])
+    estimates.append(model.estimate(UPPER_Z)[0, 2])
+  thin, long = estimates
+  assert thin > 4.0 and long < 3.2, estimates
+
+
+def test_a_drafters_prior_starts_the_record_of_a_target_it_never_drafted_for(tmp_path):
+  """A drafter that knows what to expect of itself (committed 2.2 and 4 of 4 and 16 predicted)
+  starts as if it had drafted PRIOR_DRAFTS times at the largest budget: no look, and a tree
+  from the first step only where the prior says it pays."""
+  ladder = (1, 4, 16)
+  prior = AcceptancePrior(tau_l=[1.0, 2.2, 4.0], predicted_l=[1.0, 4.0, 16.0])
+  seeded = HeadRecord({"head": "h"}, ladder).with_prior(prior)
+  assert seeded.drafts == PRIOR_DRAFTS
+  ratio = (PRIOR_DRAFTS * 3 + 1) / (PRIOR_DRAFTS * 15 + 1)  # one pseudo-count each
+  np.testing.assert_allclose(seeded.prior_tau(), [1.0, 1.0 + 3 * ratio, 1.0 + 15 * ratio])
+  assert abs(seeded.prior_tau()[2] - 4.0) < 0.15
+  # What a drafter did on this target outweighs what it expected.
+  thin, _ = thin_and_long_records()
+  assert thin.with_prior(prior) is thin and seeded.with_prior(None) is seeded
+  path = str(tmp_path / "costs.json")
+  assert load_head_record(path, {"head": "h"}, ladder, prior).drafts == PRIOR_DRAFTS
+  save_head_record(path, thin)
+  kept = load_head_record(path, thin.key, ladder, prior)
+  np.testing.assert_allclose(kept.as_array(), thin.as_array())
+  for bad in (AcceptancePrior([1.0, 2.0], [1.0, 4.0]),):  # two budgets, the ladder three
+    with pytest.raises(InputError, match="2 budgets, the ladder 3"):
+      HeadRecord({}, ladder).with_prior(bad)
+  with pytest.raises(InputError, match="acceptance prior"):
+    AcceptancePrior([1.0, 0.5, 2.0], [1.0, 4.0, 16.0])  # fewer than the bonus token
+  # Rounds of 1, 2 and 5 s: 4 tokens at 16 beat AR (0.8 a second against 1), 2.2 at 4 do not.
+  starts = lambda seconds_l: BudgetChooser(ladder, 1, np.array(seconds_l), rounds_per_step=1,
+                                           record=seeded)
+  chooser = starts([1.0, 2.0, 3.0])
+  chooser.reset(0)
+  assert chooser.choose([True], [100]) == 16 and not chooser.may_look
+  chooser = starts([1.0, 2.5, 8.0])  # 4 tokens in 8 s: AR from the start, and no look
+  chooser.reset(0)
+  assert [chooser.choose([True], [100]) for _ in range(3)] == [1, 1, 1]
 
 
 def test_kept_seconds_with_extras_measure_once(tmp_path):

@@ -81,6 +81,16 @@ def test_draft_copies_the_reference_up_to_the_drawn_depth(target):
       at_least_k[1:] / at_least_k[:-1], (4, DEPTH)), rtol=1e-4)
   np.testing.assert_allclose(draft_expected_tau(sure_bdv, (1, DEPTH + 1), 3), [[1.0, 4.0]] * 4,
                              rtol=1e-4)
+  # What it expects of itself, greedy: a round of n nodes commits 1 + E[min(k, n - 1)] (by
+  # brute force over k); its drafts predict that when calibrated, else the whole chain.
+  ladder = (1, 4, DEPTH + 1)
+  probs_k = np.asarray(params.depth_probs_k, np.float64)
+  brute_l = [1 + sum(p * min(k, n - 1) for k, p in enumerate(probs_k)) for n in ladder]
+  for who, draft_bdv in ((drafter, logprobs_bdv), (calibrated, sure_bdv)):
+    prior = who.acceptance_prior(params, ladder)
+    np.testing.assert_allclose(prior.tau_l, brute_l, rtol=1e-5)
+    np.testing.assert_allclose(prior.predicted_l, draft_expected_tau(draft_bdv, ladder, 3)[0],
+                               rtol=1e-3)
   # The draws depend on the seed, the row and its context length only.
   again = drafter.correct_depths(params, jnp.array([0, 5, 99, 30], jnp.int32))
   np.testing.assert_array_equal(np.asarray(again)[[0, 1, 3]], k_b[[0, 1, 3]])

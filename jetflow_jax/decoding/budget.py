@@ -99,8 +99,10 @@ class AcceptanceModel:
   `decay` per AR round); with `prior_gain_l` (the gains past drafts predicted on average) it
   drifts back to 1 + its own ratio x `prior_gain_l` instead, so that what its rounds accepted
   is not forgotten with the draft. After `explore_every` AR rounds in a row `probe_due` asks
-  for a tree. `estimate(z)` takes each row's observed gains `z` standard errors up: what it
-  could commit for all its few drafts tell (the prior counts as known).
+  for a tree. `estimate(z)` takes each row's observed gains `z` standard errors up, and, once
+  it has drafted, the prior ratio `z` x `prior_spread` up (its standard error, as far as the
+  drafter's record knows it): what the row could commit for all its few drafts and the
+  record's tell.
   """
 
   ladder: tuple[int, ...]
@@ -111,6 +113,7 @@ class AcceptanceModel:
   decay: float = 0.9
   explore_every: int = 32
   prior_gain_l: np.ndarray | None = None
+  prior_spread: float = 0.0
 
   def __post_init__(self):
     self.prior_tau_l = np.asarray(self.prior_tau_l, np.float64)
@@ -153,8 +156,11 @@ class AcceptanceModel:
 
   def ratio_b(self, z: float = 0.0) -> np.ndarray:
     """Each row's calibration: observed gain per predicted gain; with `z`, its observed gains
-    taken `z` standard errors up (`gains_up`)."""
-    return ((self.prior_ratio * self.prior_weight + gains_up(self.observed_b, self.drafts_b, z))
+    (`gains_up`) taken `z` standard errors up, and for a row that has drafted the prior ratio
+    too (a row never drafted tries a tree only where a probe pays: `probe_index`)."""
+    spread_b = np.where(self.drafts_b > 0, z * self.prior_spread, 0.0)
+    prior = (self.prior_ratio + spread_b) * self.prior_weight
+    return ((prior + gains_up(self.observed_b, self.drafts_b, z))
             / (self.prior_weight + self.predicted_b))
 
   def estimate(self, z: float = 0.0) -> np.ndarray:
@@ -350,6 +356,29 @@ PRIOR_DRAFTS = 8.0  # a row's calibration starts at its drafter's record, weighi
 _RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s")  # as kept
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceptancePrior:
+  """What a drafter expects of itself on a target it has not drafted for yet, from its own
+  calibration (a trained head's acceptance on held-out text, a controlled drafter's
+  distribution): at every ladder budget, the tokens a round commits (`tau_l`) and what its
+  drafts predict there on average (`predicted_l`, as `expected_tau` reads them), weighing as
+  much as `drafts` drafts run at the largest budget (`HeadRecord.with_prior`)."""
+
+  tau_l: np.ndarray
+  predicted_l: np.ndarray
+  drafts: float = PRIOR_DRAFTS
+
+  def __post_init__(self):
+    tau_l, predicted_l = (np.asarray(x, np.float64) for x in (self.tau_l, self.predicted_l))
+    if (tau_l.shape != predicted_l.shape or tau_l.ndim != 1 or not self.drafts > 0
+        or not np.all(np.isfinite(tau_l) & (tau_l >= 1) & np.isfinite(predicted_l)
+                      & (predicted_l >= 1))):
+      raise InputError("an acceptance prior needs >= 1 committed and predicted tokens at every "
+                       "ladder budget and a positive weight")
+    object.__setattr__(self, "tau_l", tau_l)
+    object.__setattr__(self, "predicted_l", predicted_l)
+
+
 @dataclasses.dataclass
 class HeadRecord:
   """What one drafter's drafts predicted and its rows accepted on one target, over past runs,
@@ -382,6 +411,22 @@ class HeadRecord:
   def prior_tau(self) -> np.ndarray:
     return self._tau_at(self.ratio())
 
+  def with_prior(self, prior: AcceptancePrior | None) -> HeadRecord:
+    """This record; for a drafter never seen, `prior` taken as its drafts at the largest
+    budget, so that its first request starts where a later one would (a tree from the start,
+    or AR and no look) rather than from AR and a look at a tree that its predictions, never
+    calibrated, say too much about."""
+    if prior is None or self.drafts > 0:
+      return self
+    if prior.tau_l.shape != (len(self.ladder),):
+      raise InputError(f"the drafter's acceptance prior has {prior.tau_l.size} budgets, the "
+                       f"ladder {len(self.ladder)}")
+    weight = float(prior.drafts)
+    return dataclasses.replace(self, observed=weight * (prior.tau_l[-1] - 1.0),
+                               predicted=weight * (prior.predicted_l[-1] - 1.0),
+                               predicted_gain_l=weight * (prior.predicted_l - 1.0),
+                               drafts=weight)
+
   def _tau_at(self, ratio: float) -> np.ndarray:
     """Each budget's expected tokens: the average draft's predicted gains at `ratio`; AR for a
     drafter never seen."""
@@ -396,26 +441,35 @@ class HeadRecord:
     gives (geometric lengths, variance m (1 + m)), so a record of a few drafts, which one
     unlucky stretch of a request can fill, still lets a probe find out, and a long one does
     not. AR for a drafter never seen."""
-    upper = float(gains_up(self.observed, self.drafts, UPPER_Z))
-    return self._tau_at((upper + 1.0) / (self.predicted + 1.0))
+    return self._tau_at(self.ratio() + UPPER_Z * self.ratio_spread())
 
   def ratio(self) -> float:
     """Observed over predicted gains, one pseudo-count each."""
     return (self.observed + 1.0) / (self.predicted + 1.0)
 
+  def ratio_spread(self) -> float:
+    """The standard error of `ratio()`: what the spread of i.i.d. gains (`gains_up`) leaves
+    unknown after this record's drafts."""
+    return float(gains_up(self.observed, self.drafts, 1.0) - self.observed) / (
+        self.predicted + 1.0)
+
   def model_prior(self) -> dict:
     """An `AcceptanceModel`'s prior fields from this record: rows never drafted at
     `prior_tau()`, and each row's calibration at the record's ratio, weighing as much as
     `PRIOR_DRAFTS` of its drafts (all of them, if it holds fewer), so that one unlucky round
-    moves a well-known drafter no more than its past rounds warrant. A drafter never seen: the
-    model's defaults, AR."""
+    moves a well-known drafter no more than its past rounds warrant, and taken as uncertain as
+    the record's drafts leave it (`ratio_spread`): a row of a drafter near its break-even,
+    known from a few drafts (or from its own prior), is not sent to AR by one unlucky stretch,
+    one known from thousands is. A drafter never seen: the model's defaults, AR."""
     if self.drafts <= 0:
       return {"prior_tau_l": self.prior_tau(), "prior_ratio": 1.0,
-              "prior_weight": AcceptanceModel.prior_weight, "prior_gain_l": None}
+              "prior_weight": AcceptanceModel.prior_weight, "prior_gain_l": None,
+              "prior_spread": 0.0}
     return {"prior_tau_l": self.prior_tau(), "prior_ratio": self.ratio(),
             "prior_weight": max(AcceptanceModel.prior_weight,
                                 min(PRIOR_DRAFTS, self.drafts) * self.predicted / self.drafts),
-            "prior_gain_l": self.predicted_gain_l / self.drafts}
+            "prior_gain_l": self.predicted_gain_l / self.drafts,
+            "prior_spread": self.ratio_spread()}
 
   def acceptance_model(self, rows: int, explore_every: int) -> AcceptanceModel:
     """A model of `rows` rows that starts from this record (`model_prior`)."""
@@ -448,9 +502,11 @@ class HeadRecord:
     return dataclasses.replace(self, **numbers, predicted_gain_l=values[len(numbers):])
 
 
-def load_head_record(path: str | None, key: dict, ladder: Sequence[int]) -> HeadRecord:
-  """The record of `key` in the JSON file at `path`, else a fresh one; the same on every
-  process of a job (process 0 reads it)."""
+def load_head_record(path: str | None, key: dict, ladder: Sequence[int],
+                     prior: AcceptancePrior | None = None) -> HeadRecord:
+  """The record of `key` in the JSON file at `path`, else a fresh one, which starts from the
+  drafter's `prior` where it has one (`HeadRecord.with_prior`); the same on every process of a
+  job (process 0 reads it)."""
   record = HeadRecord(key, tuple(ladder))
   found = (next((r for r in _records(path, "heads") if r["key"] == key), None)
            if path and distributed.is_main_process() else None)
@@ -465,7 +521,7 @@ def load_head_record(path: str | None, key: dict, ladder: Sequence[int]) -> Head
         values = read
     except (KeyError, TypeError, ValueError):  # a damaged record: start afresh
       pass
-  return record.with_array(distributed.agreed(values))
+  return record.with_array(distributed.agreed(values)).with_prior(prior)
 
 
 def save_head_record(path: str | None, record: HeadRecord) -> None:

@@ -24,7 +24,7 @@ from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round, flush
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
                                         stop_rows, stop_tokens_for)
 from jetflow_jax.distributed import agreed, to_host
-from jetflow_jax.drafters import Drafter
+from jetflow_jax.drafters import Drafter, drafter_prior
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh
 from jetflow_jax.partitioning import KEEP, abstract, kernel_layout
@@ -379,7 +379,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                                         kernel_layout(target_params))
                           if auto is True else (np.ones(len(specs)), 0.0))  # a schedule: no times
     record = load_head_record(cost_tables_path(), head_record_key(specs[-1], drafter_params),
-                              specs[-1].ladder)
+                              specs[-1].ladder,
+                              drafter_prior(specs[-1].drafter, drafter_params, specs[-1].ladder))
     calibrate_s = time.perf_counter() - calibrating
     state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, flush_s,
                               pending, rows.lengths_b, record, on_tokens,

@@ -36,6 +36,7 @@ from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_
                                          cost_tables_path, first_look_index, kept_seconds,
                                          load_head_record, optimistic_tau, probe_index,
                                          save_head_record)
+from jetflow_jax.drafters import drafter_prior
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.partitioning import kernel_layout
@@ -228,5 +229,7 @@ def engine_chooser(engine: Engine, seconds_l, schedule: Sequence[int] | None = N
   key = head_record_key(engine.spec(engine.ladder[-1], sampled=False, filtered=False),
                         engine.drafter_params)
   return BudgetChooser(engine.ladder, engine.num_slots, seconds_l, engine.rounds_per_step,
-                       schedule, record=load_head_record(path, key, engine.ladder),
+                       schedule, record=load_head_record(
+                           path, key, engine.ladder,
+                           drafter_prior(engine.drafter, engine.drafter_params, engine.ladder)),
                        save=lambda record: save_head_record(path, record))
