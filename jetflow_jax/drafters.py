@@ -147,6 +147,12 @@ class HeadDrafter:
   def commit(self, params, state, taps_btld, start_b):
     return append_context(params, self.config, state, taps_btld, start_b, self.dtype)
 
+  def acceptance_prior(self, params, ladder):
+    """What it measured of itself on held-out text (`HeadConfig.acceptance`), if it did."""
+    del params
+    acceptance = self.config.acceptance
+    return None if acceptance is None else acceptance.prior(ladder)
+
   @property
   def vocab_size(self) -> int:
     return self.config.output_vocab_size

@@ -23,6 +23,7 @@ from jetflow_jax import embedded, hf_params, hub, partitioning, speculators_form
 from jetflow_jax.config import Qwen3Config, read_config_json
 from jetflow_jax.errors import CheckpointError, ConfigError
 from jetflow_jax.head import DRAFT_VOCAB, init_head_params
+from jetflow_jax.head_acceptance import load_acceptance
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.hf_params import Tensor
 from jetflow_jax.speculators_format import Verifier
@@ -138,6 +139,8 @@ def save_hf_head(head_params, config: HeadConfig, out_dir: str, dtype=jnp.bfloat
   write_weights(head_params, config, out_dir, dtype)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump({**config.to_hf_dict(), "torch_dtype": jnp.dtype(dtype).name}, f, indent=2)
+  if config.acceptance is not None:
+    config.acceptance.save(out_dir)
 
 
 def save_speculators_head(head_params, config: HeadConfig, out_dir: str, verifier: Verifier,
@@ -165,6 +168,8 @@ def save_speculators_head(head_params, config: HeadConfig, out_dir: str, verifie
   write_weights(head_params, config, out_dir, dtype)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(raw, f, indent=2)
+  if config.acceptance is not None:
+    config.acceptance.save(out_dir)
 
 
 def workdir_head_config(workdir: str) -> HeadConfig | None:
@@ -218,17 +223,18 @@ def load_head(path: str, dtype=jnp.float32) -> tuple[HeadConfig, dict]:
   """
   path = os.path.abspath(os.path.expanduser(hub.resolve(path)))
   if (config := workdir_head_config(path)) is not None:
-    params = restore_head_params(path, abstract_head_params(config, jnp.float32))
-    return config, cast(params, dtype)
-  raw = read_config_json(path)
-  source = os.path.join(path, "config.json")
-  if speculators_format.is_speculators_config(raw):
-    config = speculators_format.from_speculators_dict(raw, source)
+    params = cast(restore_head_params(path, abstract_head_params(config, jnp.float32)), dtype)
   else:
-    config = HeadConfig.from_hf_dict(raw, source)
-  # A full-vocabulary lm_head is the target's own: speculators' loader ignores it too.
-  extra = VERIFIER_OWNED + (() if config.draft_vocab_size else ("lm_head.weight",))
-  return config, read_weights(path, config, dtype, extra)
+    raw = read_config_json(path)
+    source = os.path.join(path, "config.json")
+    if speculators_format.is_speculators_config(raw):
+      config = speculators_format.from_speculators_dict(raw, source)
+    else:
+      config = HeadConfig.from_hf_dict(raw, source)
+    # A full-vocabulary lm_head is the target's own: speculators' loader ignores it too.
+    extra = VERIFIER_OWNED + (() if config.draft_vocab_size else ("lm_head.weight",))
+    params = read_weights(path, config, dtype, extra)
+  return dataclasses.replace(config, acceptance=load_acceptance(path)), params
 
 
 FORMATS = ("speculators", "reference")

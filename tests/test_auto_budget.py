@@ -2,6 +2,7 @@
 still lossless with the budget changing between the rounds of one request: greedy equals AR
 token for token, sampling follows the target's exact distribution."""
 
+import dataclasses
 import json
 import re
 
@@ -21,6 +22,8 @@ from jetflow_jax.drafters import HeadDrafter
 from jetflow_jax.engine import Orchestrator, Request, budgets, make_engine
 from jetflow_jax.engine.budgets import step_seconds
 from jetflow_jax.head import init_head_params
+from jetflow_jax.head_acceptance import ACCEPTANCE_FILE, measure_acceptance
+from jetflow_jax.head_checkpoint import load_head, save_hf_head
 from jetflow_jax.sampling import Greedy, Sampling, sampling_flags
 from test_speculative import (PROMPTS, SAMPLES, ar_greedy,  # noqa: F401
                               assert_caches_equal_ar_and_append_context, assert_matches,
@@ -231,3 +234,36 @@ def test_held_back_rounds_cover_what_a_row_can_run(target):
   for width, capacity in ((512, 512), (256, 512), (32, 64), (16, 64)):
     can_run = capacity - (width // 2 + 1)  # the shortest prompt padded to this width
     assert pending_rounds(spec, width, capacity) >= min(PENDING_ROUNDS, can_run)
+
+
+def test_a_heads_held_out_acceptance_is_what_its_rounds_commit(target, trained_head, tmp_path):
+  """`measure_acceptance` at each prompt's first anchor reads, at budgets 4 and 16, exactly the
+  tokens the first greedy round of a decode at that budget commits (averaged over the rows);
+  kept with the head, it is the prior auto starts a target never drafted for from."""
+  config, params = target
+  head, head_params = trained_head
+  reference = ar_greedy(config, params, PROMPTS, 24)
+  acceptance = measure_acceptance(head_params, head, params, config,
+                                  list(zip(PROMPTS, reference)), anchors_per_row=1, budget=16,
+                                  top_k=3)
+  assert acceptance.anchors == len(PROMPTS) and len(acceptance.tau_n) == 16
+  drafter = HeadDrafter(head)
+  for budget in (4, 16):
+    first_rounds = [rounds[0] for rounds in decode_prompts(
+        params, config, drafter, head_params, PROMPTS, 24, tree_shape=TreeShape("top_n", budget, 3),
+        stop_tokens=()).committed_per_round]
+    assert acceptance.tau_n[budget - 1] == pytest.approx(np.mean(first_rounds), abs=1e-4)
+  assert acceptance.tau_n[15] > 1.5  # the trained head drafts something right
+  assert acceptance.tau_n[0] == acceptance.predicted_n[0] == 1.0
+  assert np.all(np.diff(acceptance.tau_n) >= 0) and np.all(np.diff(acceptance.predicted_n) >= 0)
+  # Kept with the exported head, read back by load_head, given to auto by the drafter; the
+  # config's identity (a compiled program's key) is the head's without it.
+  with_acceptance = dataclasses.replace(head, acceptance=acceptance)
+  save_hf_head(head_params, with_acceptance, str(tmp_path), jax.numpy.float32)
+  loaded, _ = load_head(str(tmp_path))
+  assert loaded.acceptance == acceptance and loaded == head and hash(loaded) == hash(head)
+  prior = HeadDrafter(loaded).acceptance_prior(head_params, (1, 4, 16, 64))
+  np.testing.assert_allclose(prior.tau_l, np.asarray(acceptance.tau_n)[[0, 3, 15, 15]])
+  (tmp_path / ACCEPTANCE_FILE).write_text('{"tau_n": [1.0, 0.5]}')
+  with pytest.warns(UserWarning, match="ignoring .*acceptance.json"):
+    assert load_head(str(tmp_path))[0].acceptance is None

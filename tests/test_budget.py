@@ -1,5 +1,6 @@
 """The budget chooser's pieces on synthetic inputs: ladder, expected tokens, calibration, costs."""
 
+import dataclasses
 import json
 import time
 
@@ -16,6 +17,7 @@ from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, Acceptan
 from jetflow_jax.engine.budgets import BudgetChooser
 from jetflow_jax.engine.state import StepOutput
 from jetflow_jax.errors import InputError
+from jetflow_jax.head_acceptance import committed_by_budget
 from jetflow_jax.tree import build_tree, build_tree_accum
 
 
@@ -418,15 +420,20 @@ def test_a_drafters_prior_starts_the_record_of_a_target_it_never_drafted_for(tmp
       HeadRecord({}, ladder).with_prior(bad)
   with pytest.raises(InputError, match="acceptance prior"):
     AcceptancePrior([1.0, 0.5, 2.0], [1.0, 4.0, 16.0])  # fewer than the bonus token
-  # Rounds of 1, 2 and 5 s: 4 tokens at 16 beat AR (0.8 a second against 1), 2.2 at 4 do not.
-  starts = lambda seconds_l: BudgetChooser(ladder, 1, np.array(seconds_l), rounds_per_step=1,
-                                           record=seeded)
+  # Rounds of 1, 2 and 3 s: 4.1 tokens at 16 beat AR (1.37 a second against 1): a tree at once.
+  starts = lambda seconds_l, record=seeded: BudgetChooser(ladder, 1, np.array(seconds_l),
+                                                          rounds_per_step=1, record=record)
   chooser = starts([1.0, 2.0, 3.0])
   chooser.reset(0)
-  assert chooser.choose([True], [100]) == 16 and not chooser.may_look
-  chooser = starts([1.0, 2.5, 8.0])  # 4 tokens in 8 s: AR from the start, and no look
+  assert chooser.choose([True], [100]) == 16
+  # 4.1 tokens in 8 s, 1.6 in 2.5 s: AR. Its look (risking 1.5 s at budget 4) waits until it
+  # is 2% of the AR time spent with the drafter (a drafter without a prior: 5%).
+  chooser = starts([1.0, 2.5, 8.0])
   chooser.reset(0)
-  assert [chooser.choose([True], [100]) for _ in range(3)] == [1, 1, 1]
+  assert [chooser.choose([True], [50]) for _ in range(3)] == [1, 1, 1]  # 1.5 > 2% of 50 s
+  chooser = starts([1.0, 2.5, 8.0], dataclasses.replace(seeded, unseen_s=30.0))
+  chooser.reset(0)
+  assert chooser.choose([True], [50]) == 4  # 1.5 <= 2% of 80 s
 
 
 def test_kept_seconds_with_extras_measure_once(tmp_path):
@@ -440,3 +447,32 @@ def test_kept_seconds_with_extras_measure_once(tmp_path):
   measure_more = lambda: calls.append(2) or np.array([1.0, 2.0, 0.5, 0.25])
   kept_seconds({"k": 1}, (1, 4), 1, measure_more, path, extras=("flush", "other"))  # one missing
   assert calls == [1, 2]
+
+
+def test_committed_by_budget_walks_the_top_n_nodes_as_verification_does():
+  """Against a brute-force walk: from the root, the child among the n best nodes (by score)
+  that holds the continuation's next token, until none does; the continuation follows a random
+  node's path, then random tokens."""
+  rng = np.random.default_rng(3)
+  batch, depth, vocab, budget = 6, 5, 7, 24
+  tree = build_tree(random_logprobs(5, batch, depth, vocab), budget, 3)
+  tokens, parents, scores = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.scores))
+  truth_bd = rng.integers(0, vocab, (batch, depth))
+  for b in range(batch):
+    path, node = [], int(rng.integers(1, budget))
+    while node > 0:
+      path.insert(0, tokens[b, node])
+      node = parents[b, node]
+    truth_bd[b, :len(path)] = path
+  got = np.asarray(committed_by_budget(tree, jax.numpy.asarray(truth_bd)))
+  for b in range(batch):
+    ranked = np.argsort(-scores[b], kind="stable")
+    for n in range(1, budget + 1):
+      kept, node, steps = set(ranked[:n].tolist()), 0, 0
+      while steps < depth:
+        child = [c for c in kept if parents[b, c] == node and tokens[b, c] == truth_bd[b, steps]]
+        if not child:
+          break
+        node, steps = child[0], steps + 1
+      assert got[b, n - 1] == 1 + steps, (b, n)
+  assert got[:, -1].max() > 2  # the continuations do follow deep paths

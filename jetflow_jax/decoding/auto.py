@@ -18,9 +18,13 @@ probe costs, the flush of the held-back context included), and probes are spaced
 cost a small share of the AR time. A row never drafted starts from what this drafter accepted in
 past runs on this target (`budget.HeadRecord`); a request may probe it at once where that
 record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`). A drafter never
-seen starts from AR and gets one look: the probe that risks least, once that is a small share of
-the AR time of the request and of the drafter's earlier unseen runs (`budget.first_look_index`);
-a row's calibration starts from the record too (`HeadRecord.acceptance_model`). Every budget's
+seen on this target starts from what it expects of itself where it can say
+(`Drafter.acceptance_prior`: a trained head's acceptance on held-out text, `head_acceptance`; a
+controlled drafter's distribution), taken as `budget.PRIOR_DRAFTS` past drafts
+(`HeadRecord.with_prior`); one that cannot starts from AR and gets one look: the probe that
+risks least, once that is a small share of the AR time of the request and of the drafter's
+earlier unseen runs (`budget.first_look_index`). A row's calibration starts from the record too
+(`HeadRecord.acceptance_model`), as uncertain as the record's drafts leave it. Every budget's
 round is one compiled variant; its time and the flush's are measured once per shape (a few
 rounds on copies of the state) and kept, in this process and in the cost tables file
 (`budget.cost_tables_path()`), with the drafter's record, for the next.
@@ -55,6 +59,13 @@ SURE_RUNS = 4  # tree rounds run back to back where the choice is sure: the rows
 PROBE_SHARE = 0.02  # probes spaced so that each costs at most this share of the AR rounds between
 FIRST_LOOK_SHARE = 0.05  # a drafter never seen gets one probe that risks at most this share of
 # the AR time spent with it, this request included (`budget.first_look_index`)
+PRIOR_LOOK_SHARE = PROBE_SHARE  # ... and one that brought a prior, at most this share: the prior
+# decides well where it was measured on text like the user's, the look is for where it was not
+
+
+def look_share(record: HeadRecord) -> float:
+  """The share of the AR time spent with a drafter that its first look may risk."""
+  return PRIOR_LOOK_SHARE if record.prior_drafts else FIRST_LOOK_SHARE
 STREAM_INTERVAL_S = 0.05
 
 _seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
@@ -212,14 +223,15 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       if not index and may_probe:
         remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
         worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
+        look = lambda: (first_look_index(remaining, seconds_l, probe_seconds_l,
+                                         look_share(record), record.unseen_s)
+                        if starting and record.unseen else 0)
         if starting and record.drafts:
           index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l,
-                              record.win_chance())
+                              record.win_chance()) or look()
           may_probe = bool(worth)
         elif starting or model.probe_due(live_b):
-          index = worth or (first_look_index(remaining, seconds_l, probe_seconds_l,
-                                             FIRST_LOOK_SHARE, record.unseen_s)
-                            if starting else 0)
+          index = worth or look()
           may_probe = index > 0
         elif not worth:  # no probe pays in what is left now, nor later with less left
           may_probe = False
@@ -268,6 +280,6 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
       on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
       streamed = time.perf_counter()
-  if record.drafts == 0:
+  if record.unseen:
     record.unseen_s += budgets.count(1) * float(seconds_l[0])
   return state, budgets

@@ -9,6 +9,8 @@ Pieces, each usable alone (the decode loop and the engine call them; nothing her
   exp(0) = 1 being the bonus token;
 - `AcceptanceModel`: per row, how what the rows accept compares with what their drafts
   predicted, with a prior for rows whose head has not run yet (host-side numpy);
+- `HeadRecord`: what one drafter's drafts predicted and accepted on one target over past runs
+  (kept with the cost tables), started from the drafter's own `AcceptancePrior` where it has one;
 - `CostTable`: seconds per round by (method, budget, busy rows) on one device, saved as JSON;
 - `choose_budget`: the ladder budget with the most expected committed tokens per second.
 
@@ -353,7 +355,8 @@ PRIOR_DRAFTS = 8.0  # a row's calibration starts at its drafter's record, weighi
 # its drafts at most: one draft's gain scatters by more than its mean (geometric lengths), so
 # at 4 one round that accepted nothing cut a row's estimate by a fifth, enough to send a drafter
 # near its break-even to AR, where the request learns nothing more
-_RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s")  # as kept
+_RECORD_NUMBERS = ("observed", "predicted", "drafts", "probes", "wins", "unseen_s",
+                   "prior_drafts")  # as kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,9 +390,9 @@ class HeadRecord:
   The prior of a row this drafter has not drafted yet is `prior_tau()`: its past calibration
   (observed over predicted gains) times the gain its drafts predicted on average, or AR (1
   token at every budget) for a drafter never seen. `win_chance()` is how often a probe found
-  trees paying, Beta(1, 1) before any probe. `unseen_s` is the AR time spent with a drafter
-  never seen: its first look is priced against that use as well as the request's
-  (`first_look_index`).
+  trees paying, Beta(1, 1) before any probe. `unseen_s` is the AR time spent with the
+  drafter before its first drafting round here (`unseen`): its first look is priced against
+  that use as well as the request's (`first_look_index`).
   """
 
   key: dict
@@ -401,6 +404,7 @@ class HeadRecord:
   probes: float = 0.0
   wins: float = 0.0  # probes after which the next round drafted again
   unseen_s: float = 0.0  # estimated seconds of AR rounds run before the drafter's first draft
+  prior_drafts: float = 0.0  # of `drafts`, those standing for the drafter's own prior
 
   def __post_init__(self):
     self.ladder = tuple(self.ladder)
@@ -413,9 +417,10 @@ class HeadRecord:
 
   def with_prior(self, prior: AcceptancePrior | None) -> HeadRecord:
     """This record; for a drafter never seen, `prior` taken as its drafts at the largest
-    budget, so that its first request starts where a later one would (a tree from the start,
-    or AR and no look) rather than from AR and a look at a tree that its predictions, never
-    calibrated, say too much about."""
+    budget (`prior_drafts` of them), so that its first request starts where a later one would
+    (a tree from the start, or AR) rather than from AR, its first look judged by predictions
+    never calibrated. It still gets a look while it has not drafted here (`unseen`): a prior
+    measured on other text may undersell it."""
     if prior is None or self.drafts > 0:
       return self
     if prior.tau_l.shape != (len(self.ladder),):
@@ -425,7 +430,12 @@ class HeadRecord:
     return dataclasses.replace(self, observed=weight * (prior.tau_l[-1] - 1.0),
                                predicted=weight * (prior.predicted_l[-1] - 1.0),
                                predicted_gain_l=weight * (prior.predicted_l - 1.0),
-                               drafts=weight)
+                               drafts=weight, prior_drafts=weight)
+
+  @property
+  def unseen(self) -> bool:
+    """No round of this drafter has drafted on this target yet (its prior aside)."""
+    return self.drafts <= self.prior_drafts
 
   def _tau_at(self, ratio: float) -> np.ndarray:
     """Each budget's expected tokens: the average draft's predicted gains at `ratio`; AR for a
@@ -491,6 +501,7 @@ class HeadRecord:
       self.observed, self.predicted, self.drafts = (self.observed * fade, self.predicted * fade,
                                                     HEAD_RECORD_CAP)
       self.predicted_gain_l = self.predicted_gain_l * fade
+      self.prior_drafts *= fade
 
   def as_array(self) -> np.ndarray:
     return np.concatenate([[getattr(self, f) for f in _RECORD_NUMBERS],
@@ -513,7 +524,8 @@ def load_head_record(path: str | None, key: dict, ladder: Sequence[int],
   values = record.as_array()
   if found is not None:
     try:
-      found.setdefault("unseen_s", 0.0)  # a record kept before it was counted
+      for name in ("unseen_s", "prior_drafts"):
+        found.setdefault(name, 0.0)  # a record kept before it was counted
       read = np.asarray([found[f] for f in _RECORD_NUMBERS] + list(found["predicted_gain_l"]),
                         np.float64)
       if (read.shape == values.shape and np.all(np.isfinite(read))

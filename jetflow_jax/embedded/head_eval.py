@@ -7,7 +7,7 @@ the training files (another seed than the heads' prompts) separates what the hea
 overfit from what is new to both models; HumanEval prompts are where the benchmark runs.
 
   python -m jetflow_jax.embedded.head_eval --head runs/embedded/head_jetflow \
-      --head runs/embedded/head_dflash [--save-quality]
+      --head runs/embedded/head_dflash [--save-quality] [--save-acceptance]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jetflow_jax import cli, embedded
 from jetflow_jax.decoding import generate
 from jetflow_jax.embedded import evaluation
 from jetflow_jax.embedded.prompts import snippet_prompts
+from jetflow_jax.head_acceptance import ACCEPTANCE_FILE, measure_acceptance
 from jetflow_jax.head import training_hidden
 from jetflow_jax.model import forward, lm_logits
 from jetflow_jax.train.data import to_row
@@ -170,6 +171,10 @@ def main(argv=None) -> None:
                       "files, fresh training-file snippets, HumanEval)")
   parser.add_argument("--save-quality", action="store_true",
                       help="write each head's results to HEAD/quality.json")
+  parser.add_argument("--save-acceptance", action="store_true",
+                      help=f"measure what each head's rounds commit and predict at every tree "
+                           f"budget on the held-out split, kept in HEAD/{ACCEPTANCE_FILE} (the "
+                           f"prior of --budget auto)")
   args = parser.parse_args(argv)
 
   def run():
@@ -207,6 +212,14 @@ def main(argv=None) -> None:
       if args.save_quality:
         with open(os.path.join(head, "quality.json"), "w") as f:
           json.dump(quality, f, indent=1)
+      if args.save_acceptance:
+        acceptance = measure_acceptance(
+            head_params, head_config, target_params, target_config,
+            [(r["prompt_ids"], r["response_ids"]) for r in records["heldout"]])
+        acceptance.save(head)
+        print(f"{head}: held-out tokens a greedy round commits / its drafts predict at budget "
+              + ", ".join(f"{n} {acceptance.tau_n[n - 1]:.2f} / {acceptance.predicted_n[n - 1]:.2f}"
+                          for n in (4, 16, 64)) + f" (kept in {ACCEPTANCE_FILE})")
 
   cli.run(run)
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.auto import FIRST_LOOK_SHARE, PROBE_SHARE, head_record_key
+from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key, look_share
 from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_key,
                                          cost_tables_path, first_look_index, kept_seconds,
                                          load_head_record, optimistic_tau, probe_index,
@@ -142,7 +142,7 @@ class BudgetChooser:
     self.chosen: collections.Counter[int] = collections.Counter()
     # Whether each chosen step not yet recorded is a probe (steps are read back a step late).
     self.probing: collections.deque[bool] = collections.deque()
-    self.may_look = self.record.drafts == 0  # a drafter never seen, not looked at yet
+    self.may_look = True  # while the drafter has not drafted here (`HeadRecord.unseen`)
     self.starting = False  # a request just arrived: a known drafter may be probed at once
 
   def reset(self, slot: int) -> None:
@@ -171,8 +171,9 @@ class BudgetChooser:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
     else:
       index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
+      looking = self.may_look and self.record.unseen  # (a step may have drafted since)
       if (not index and remaining_b is not None and len(self.ladder) > 1
-          and (self.may_look or self.starting or self.model.probe_due(busy_b))):
+          and (looking or self.starting or self.model.probe_due(busy_b))):
         # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
         steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
         # As the device loop: on a request's arrival, a known drafter is probed at once
@@ -181,9 +182,9 @@ class BudgetChooser:
                   else self.hope_l)
         index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
                             self.record.win_chance())
-        if self.may_look and not index:
+        if looking and not index:
           index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
-                                   FIRST_LOOK_SHARE, self.record.unseen_s)
+                                   look_share(self.record), self.record.unseen_s)
         probing = index > 0
         self.may_look = self.may_look and not probing
         if not index and not self.starting:  # try again after another spell of AR rounds
@@ -205,7 +206,7 @@ class BudgetChooser:
       self.model.update(output.predicted_brl[:, r], committed_b, budget, active_b)
       if budget > 1:
         self.record.add_drafts(output.predicted_brl[:, r], committed_b, budget, active_b)
-    if budget == 1 and self.record.drafts == 0 and valid_b.any():
+    if budget == 1 and self.record.unseen and valid_b.any():
       self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
