@@ -61,14 +61,14 @@ FIRST_LOOK_SHARE = 0.05  # a drafter never seen gets one probe that risks at mos
 # the AR time spent with it, this request included (`budget.first_look_index`)
 PRIOR_LOOK_SHARE = PROBE_SHARE  # ... and one that brought a prior, at most this share: the prior
 # decides well where it was measured on text like the user's, the look is for where it was not
+STREAM_INTERVAL_S = 0.05
+
+_seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
 
 
 def look_share(record: HeadRecord) -> float:
   """The share of the AR time spent with a drafter that its first look may risk."""
   return PRIOR_LOOK_SHARE if record.prior_drafts else FIRST_LOOK_SHARE
-STREAM_INTERVAL_S = 0.05
-
-_seconds: dict = {}  # (round times, flush time) by (specs, shapes), measured or read here
 
 
 def auto_specs(spec: RoundSpec) -> list[RoundSpec]:
