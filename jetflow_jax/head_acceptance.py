@@ -26,6 +26,7 @@ import numpy as np
 
 from jetflow_jax.decoding.budget import AcceptancePrior
 from jetflow_jax.decoding.policy import DEFAULT_TOP_K
+from jetflow_jax.errors import InputError
 from jetflow_jax.head import to_target_ids, training_logits
 from jetflow_jax.model import forward
 from jetflow_jax.tree import DraftTree, build_tree, max_tree_nodes
@@ -70,10 +71,8 @@ def load_acceptance(directory: str) -> HeadAcceptance | None:
                            predicted_n=tuple(map(float, raw["predicted_n"])),
                            top_k=int(raw["top_k"]), anchors=int(raw["anchors"]))
     found.prior((1, len(found.tau_n)))  # the checks an AcceptancePrior makes
-    if len(found.tau_n) != len(found.predicted_n):
-      raise ValueError("as many predicted as committed values")
     return found
-  except Exception as e:  # noqa: BLE001 - any damage: one warning, no prior
+  except (OSError, ValueError, KeyError, TypeError, IndexError, InputError) as e:
     warnings.warn(f"ignoring {path}: {e}")
     return None
 
@@ -102,13 +101,13 @@ def _round_stats(head_params, head_config, target_params, target_config, tokens_
                             tap_layers=head_config.target_layer_ids)
   logits_bakv = training_logits(head_params, head_config, target_params, target_config, taps_btld,
                                 tokens_bt, anchors_ba)
-  batch, anchors, depth, vocab = logits_bakv.shape
+  *_, depth, vocab = logits_bakv.shape
   tree = build_tree(jax.nn.log_softmax(logits_bakv, -1).reshape(-1, depth, vocab), budget, top_k)
   tree = dataclasses.replace(tree, tokens=to_target_ids(head_params, head_config, tree.tokens))
-  predicted_nb = jnp.cumsum(jnp.exp(-jnp.sort(-tree.scores, axis=1)), axis=1)
+  predicted_bn = jnp.cumsum(jnp.exp(-jnp.sort(-tree.scores, axis=1)), axis=1)
   after_bad = anchors_ba[..., None] + 1 + jnp.arange(depth)
   truth_bad = jnp.take_along_axis(tokens_bt[:, None, :], after_bad, axis=2)
-  return predicted_nb, committed_by_budget(tree, truth_bad.reshape(-1, depth))
+  return predicted_bn, committed_by_budget(tree, truth_bad.reshape(-1, depth))
 
 
 def measure_acceptance(head_params, head_config, target_params, target_config,
@@ -144,11 +143,11 @@ def measure_acceptance(head_params, head_config, target_params, target_config,
   predicted, committed = [], []
   for tokens, anchors_a in zip(rows, anchors):  # one row at a time: one compiled shape
     tokens_bt = jnp.asarray(np.pad(tokens, (0, width - len(tokens)))[None], jnp.int32)
-    predicted_nb, committed_nb = _round_stats(head_params, head_config, target_params,
+    predicted_bn, committed_bn = _round_stats(head_params, head_config, target_params,
                                               target_config, tokens_bt,
                                               jnp.asarray(anchors_a[None]), budget, top_k)
-    predicted.append(np.asarray(predicted_nb))
-    committed.append(np.asarray(committed_nb))
+    predicted.append(np.asarray(predicted_bn))
+    committed.append(np.asarray(committed_bn))
   predicted, committed = np.concatenate(predicted), np.concatenate(committed)
   return HeadAcceptance(tau_n=tuple(np.round(committed.mean(0), 4).tolist()),
                         predicted_n=tuple(np.round(predicted.mean(0), 4).tolist()),

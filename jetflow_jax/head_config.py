@@ -10,13 +10,10 @@ vocabulary, which the reference does not have, `draft_vocab_size`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jetflow_jax.config import Qwen3Config
 from jetflow_jax.errors import ConfigError
-
-if TYPE_CHECKING:
-  from jetflow_jax.head_acceptance import HeadAcceptance
 
 QWEN3_MASK_TOKEN_ID = 151669  # a padded row of Qwen3's 151936-row embedding
 
@@ -71,9 +68,10 @@ class HeadConfig:
   # K > 0: the head predicts over K of the target's tokens (its own LM head [D, K] and the
   # target id of each, in its params); 0: over the target's whole vocabulary, with its LM head.
   draft_vocab_size: int = 0
-  # Not architecture: what the head measured of itself on held-out text (`head_acceptance`),
-  # read from its directory by `load_head`; out of equality and hashing, so it never changes
-  # a compiled program's key.
+  # Not architecture: what the head measured of itself on held-out text
+  # (`head_acceptance.HeadAcceptance`, not imported: that module imports the decoding policy,
+  # which imports this one), read from its directory by `load_head`; out of equality and
+  # hashing, so it never changes a compiled program's key.
   acceptance: HeadAcceptance | None = dataclasses.field(default=None, compare=False)
 
   @property
