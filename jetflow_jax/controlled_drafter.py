@@ -155,7 +155,7 @@ class ControlledDrafter:
     probs_k = check_distribution(to_host(params.depth_probs_k))
     at_least_d = np.cumsum(probs_k[::-1])[::-1][1:]  # P(k >= d), d = 1..depth
     chain_l = np.minimum(np.asarray(ladder) - 1, self.depth)
-    tau_l = 1.0 + np.array([at_least_d[:n].sum() for n in chain_l])
+    tau_l = 1.0 + np.concatenate([[0.0], np.cumsum(at_least_d)])[chain_l]
     return AcceptancePrior(tau_l=tau_l, predicted_l=tau_l if self.calibrated else 1.0 + chain_l)
 
   def commit(self, params, state, taps_btld, start_b):

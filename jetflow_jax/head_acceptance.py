@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.budget import AcceptancePrior
+from jetflow_jax.decoding.budget import AcceptancePrior, expected_tau
 from jetflow_jax.decoding.policy import DEFAULT_TOP_K
 from jetflow_jax.errors import InputError
 from jetflow_jax.head import to_target_ids, training_logits
@@ -104,7 +104,7 @@ def _round_stats(head_params, head_config, target_params, target_config, tokens_
   *_, depth, vocab = logits_bakv.shape
   tree = build_tree(jax.nn.log_softmax(logits_bakv, -1).reshape(-1, depth, vocab), budget, top_k)
   tree = dataclasses.replace(tree, tokens=to_target_ids(head_params, head_config, tree.tokens))
-  predicted_bn = jnp.cumsum(jnp.exp(-jnp.sort(-tree.scores, axis=1)), axis=1)
+  predicted_bn = expected_tau(tree, range(1, budget + 1))
   after_bad = anchors_ba[..., None] + 1 + jnp.arange(depth)
   truth_bad = jnp.take_along_axis(tokens_bt[:, None, :], after_bad, axis=2)
   return predicted_bn, committed_by_budget(tree, truth_bad.reshape(-1, depth))
