@@ -67,7 +67,9 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
                                                     stop_tokens=())
   chosen = choose()
   assert chosen.tokens == reference
-  assert len(chosen.budgets) == len(chosen.committed_per_round[0]) and chosen.calibrate_s > 0
+  # One budget per round of the longest row (a row that finished first sits out the rest).
+  assert len(chosen.budgets) == max(map(len, chosen.committed_per_round))
+  assert chosen.calibrate_s > 0
   # Every program ran once before the clock started, and is not run again for the next call.
   assert compiled.warmed >= {id(p) for p in (prefill, ar, tree, flush)}
   assert choose().warmup_s == 0.0
