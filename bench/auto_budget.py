@@ -131,7 +131,7 @@ def embedded_part(args, tables: Tables) -> dict:
         def run(draw):  # real prompts: the same each pass
           results = [speculative_generate(
               params, config, head_params, head_config, prompts, new_tokens, method=method,
-              budget=budget, max_budget=max(args.budgets), warmup=True, warn=lambda _: None)
+              budget=budget, max_budget=args.max_budget, warmup=True, warn=lambda _: None)
               for prompts in groups]
           return Merged(results)
         return run
@@ -173,7 +173,7 @@ def controlled_part(args, tables: Tables, preset: str) -> dict:
         return lambda draw: decode_prompts(
             params, config, drafter, controlled_params(reference, distribution, seed=draw),
             prompt, new_tokens,
-            tree_shape=TreeShape("top_n", max(args.budgets) if auto_on else budget, 7),
+            tree_shape=TreeShape("top_n", args.max_budget if auto_on else budget, 7),
             stop_tokens=(), auto=auto_on, warmup=True)
 
       cells = {"AR": lambda draw: generate(params, config, prompt, new_tokens, stop_tokens=(),
@@ -218,7 +218,10 @@ def ints(text: str) -> list[int]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
   parser.add_argument("--parts", default="embedded,qwen3-0.6b,qwen3-1.7b,decode_py")
-  parser.add_argument("--budgets", type=ints, default=[16, 64], help="fixed JetFlow budgets")
+  parser.add_argument("--budgets", type=ints, default=[16, 64],
+                      help="fixed JetFlow budgets (none: \"\", where AR is known to be best)")
+  parser.add_argument("--max-budget", type=int, default=None,
+                      help="the largest budget auto may choose (default: the largest of --budgets)")
   parser.add_argument("--batches", type=ints, default=[1, 8], help="embedded part's batches")
   # The embedded target's context is 1,024 positions: 2,048 new tokens would run past it.
   parser.add_argument("--new-tokens", type=ints, default=[32, 128, 512],
@@ -234,13 +237,18 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                     "auto_budget.json"))
   args = parser.parse_args()
+  if args.max_budget is None:
+    if not args.budgets:
+      parser.error("without --budgets, give --max-budget")
+    args.max_budget = max(args.budgets)
   report = {"settings": vars(args)}
   with tempfile.TemporaryDirectory() as directory:
     tables = Tables(directory)
     for part in args.parts.split(","):
       print(f"\n{part}: tokens/s, median of {args.repeats} alternated passes "
-            f"(AR, JetFlow {', '.join(map(str, args.budgets))}, auto absent, auto present; "
-            "auto over the best of AR and the fixed budgets: of the medians (of each pass))",
+            f"({', '.join(['AR', *(f'JetFlow {b}' for b in args.budgets)])}, auto absent, "
+            "auto present; auto over the best of AR and the fixed budgets: of the medians "
+            "(of each pass))",
             flush=True)
       if part == "embedded":
         report[part] = embedded_part(args, tables)
