@@ -269,3 +269,40 @@ def test_a_heads_held_out_acceptance_is_what_its_rounds_commit(target, trained_h
   (tmp_path / ACCEPTANCE_FILE).write_text('{"tau_n": [1.0, 0.5]}')
   with pytest.warns(UserWarning, match="ignoring .*acceptance.json"):
     assert load_head(str(tmp_path))[0].acceptance is None
+
+
+def test_measure_acceptance_cli_keeps_the_heads_prior_beside_it(target, trained_head, tmp_path,
+                                                                capsys):
+  """`python -m jetflow_jax.measure_acceptance`: the target continues held-out prompts, the
+  head's acceptance on them is written where `load_head` reads it; bad input is one line."""
+  from conftest import make_hf_model
+  from jetflow_jax.train import measure_acceptance as cli
+  from test_speculative import VOCAB
+  config, params = target
+  head, head_params = trained_head
+  target_dir, head_dir = str(tmp_path / "target"), str(tmp_path / "head")
+  make_hf_model(num_hidden_layers=4, vocab_size=VOCAB).save_pretrained(target_dir)  # `target`'s
+  save_hf_head(head_params, head, head_dir, jax.numpy.float32)
+  prompts = tmp_path / "held_out.jsonl"
+  rng = np.random.default_rng(1)  # not the trained head's prompts (seed 0)
+  held_out = [rng.integers(0, VOCAB - 1, 8).tolist() for _ in range(3)]
+  prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in held_out))
+  args = ["--head", head_dir, "--checkpoint", target_dir, "--prompts", str(prompts)]
+  cli.main(args + ["--max-new-tokens", "24"])
+  acceptance = load_head(head_dir)[0].acceptance
+  expected = measure_acceptance(head_params, head, params, config,
+                                list(zip(held_out, jetflow_jax.generate(params, config, held_out,
+                                                                        24).tokens)))
+  assert acceptance.anchors == expected.anchors == 3 * 32 and acceptance.top_k == 7
+  np.testing.assert_allclose(acceptance.tau_n, expected.tau_n, atol=1e-4)
+  np.testing.assert_allclose(acceptance.predicted_n, expected.predicted_n, atol=1e-4)
+  assert acceptance.tau_n[-1] > 1.2  # the head drafts something right on prompts it never saw
+  assert "written: " + str(tmp_path / "head" / ACCEPTANCE_FILE) in capsys.readouterr().out
+  for bad, message in ((["--max-new-tokens", "3"], "long enough for a depth-5 draft"),
+                       (["--count", "0"], "must be positive")):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(args + bad)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err  # the progress bar, then one line
+    assert "Traceback" not in err and message in err.splitlines()[-1]
+    assert err.splitlines()[-1].startswith("error: ")

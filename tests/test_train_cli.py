@@ -293,7 +293,9 @@ def test_training_ends_with_the_decode_command_for_its_head(tmp_path):
   head_config(quick, target_config(quick)).validate_for(target_config(quick))
   assert setup.how_to_decode(quick, "runs/quick").splitlines() == [
       "head: runs/quick/hf_head",
-      "decode with it: python decode.py --head runs/quick --prompt 'def fibonacci(n):'"]
+      "decode with it: python decode.py --head runs/quick --prompt 'def fibonacci(n):'",
+      "its prior for --budget auto, on prompts it did not train on: python -m "
+      "jetflow_jax.train.measure_acceptance --head runs/quick --prompts HELD_OUT.jsonl"]
   quick.target.checkpoint = "/models/Qwen3 8B"
   assert "python decode.py --checkpoint '/models/Qwen3 8B' --head" in setup.how_to_decode(
       quick, "runs/quick")

@@ -46,7 +46,10 @@ def how_to_decode(config: ml_collections.ConfigDict, workdir: str) -> str:
   target = ("" if os.path.abspath(os.path.expanduser(checkpoint)) == embedded.TARGET_DIR
             else f" --checkpoint {shlex.quote(checkpoint)}")
   return (f"head: {head}\ndecode with it: python decode.py{target} --head "
-          f"{shlex.quote(workdir)} --prompt {shlex.quote(DECODE_PROMPT)}")
+          f"{shlex.quote(workdir)} --prompt {shlex.quote(DECODE_PROMPT)}\n"
+          f"its prior for --budget auto, on prompts it did not train on: python -m "
+          f"jetflow_jax.train.measure_acceptance{target} --head {shlex.quote(workdir)} --prompts "
+          "HELD_OUT.jsonl")
 
 
 def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
