@@ -248,8 +248,7 @@ def main() -> None:
       print(f"\n{part}: tokens/s, median of {args.repeats} alternated passes "
             f"({', '.join(['AR', *(f'JetFlow {b}' for b in args.budgets)])}, auto absent, "
             "auto present; auto over the best of AR and the fixed budgets: of the medians "
-            "(of each pass))",
-            flush=True)
+            "(of each pass))", flush=True)
       if part == "embedded":
         report[part] = embedded_part(args, tables)
       elif part.startswith("qwen3-"):

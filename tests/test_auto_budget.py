@@ -273,8 +273,8 @@ def test_a_heads_held_out_acceptance_is_what_its_rounds_commit(target, trained_h
 
 def test_measure_acceptance_cli_keeps_the_heads_prior_beside_it(target, trained_head, tmp_path,
                                                                 capsys):
-  """`python -m jetflow_jax.measure_acceptance`: the target continues held-out prompts, the
-  head's acceptance on them is written where `load_head` reads it; bad input is one line."""
+  """`python -m jetflow_jax.train.measure_acceptance`: the target continues held-out prompts,
+  the head's acceptance on them is written where `load_head` reads it; bad input is one line."""
   from conftest import make_hf_model
   from jetflow_jax.train import measure_acceptance as cli
   from test_speculative import VOCAB
