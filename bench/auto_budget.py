@@ -26,8 +26,8 @@ rotated from pass to pass; a cell's figure is its median tokens/s over `--repeat
 time of decoding, prefill included; compilation, warm-up and calibration excluded, as
 `Generation.wall_s` counts); auto over the best cell is given of the medians and, paired, as
 the median over passes of the two cells' ratio in the same pass (the same draws). Every run's
-tokens are checked against AR's. Writes
-bench/results/auto_budget.json; the engine at 1, 4 and 8 clients is `bench/serve_budgets.py`.
+tokens are checked against AR's. Writes bench/results/auto_budget.json; the engine at 1, 4 and 8
+clients is `bench/serve_budgets.py`.
 """
 
 from __future__ import annotations

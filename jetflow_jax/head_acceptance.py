@@ -53,6 +53,12 @@ class HeadAcceptance:
     return AcceptancePrior(tau_l=np.asarray(self.tau_n)[index_l],
                            predicted_l=np.asarray(self.predicted_n)[index_l])
 
+  def summary(self, budgets=(4, 16, 64)) -> str:
+    """One line: tokens committed / predicted per greedy round at each of `budgets`."""
+    return "per greedy round, tokens committed / predicted at budget " + ", ".join(
+        f"{n} {self.tau_n[n - 1]:.2f} / {self.predicted_n[n - 1]:.2f}"
+        for n in budgets if n <= len(self.tau_n)) + f" ({self.anchors} anchors)"
+
   def save(self, directory: str) -> None:
     with open(os.path.join(directory, ACCEPTANCE_FILE), "w") as f:
       json.dump(dataclasses.asdict(self), f, indent=1)

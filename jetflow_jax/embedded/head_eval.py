@@ -217,9 +217,7 @@ def main(argv=None) -> None:
             head_params, head_config, target_params, target_config,
             [(r["prompt_ids"], r["response_ids"]) for r in records["heldout"]])
         acceptance.save(head)
-        print(f"{head}: held-out tokens a greedy round commits / its drafts predict at budget "
-              + ", ".join(f"{n} {acceptance.tau_n[n - 1]:.2f} / {acceptance.predicted_n[n - 1]:.2f}"
-                          for n in (4, 16, 64)) + f" (kept in {ACCEPTANCE_FILE})")
+        print(f"{head}: held-out, {acceptance.summary()}; kept in {ACCEPTANCE_FILE}")
 
   cli.run(run)
 

@@ -82,10 +82,7 @@ def main(argv=None) -> None:
                             and os.path.isdir(exported) else [])
     for directory in written:
       acceptance.save(directory)
-    print(f"{args.head}: per greedy round, tokens committed / predicted at budget "
-          + ", ".join(f"{n} {acceptance.tau_n[n - 1]:.2f} / {acceptance.predicted_n[n - 1]:.2f}"
-                      for n in (4, 16, 64) if n <= len(acceptance.tau_n))
-          + f" ({acceptance.anchors} anchors)\nwritten: "
+    print(f"{args.head}: {acceptance.summary()}\nwritten: "
           + ", ".join(os.path.join(d, ACCEPTANCE_FILE) for d in written))
 
   cli.run(run)
