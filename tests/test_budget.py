@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import statistics
 import time
 
 import jax
@@ -10,10 +9,9 @@ import numpy as np
 import pytest
 
 from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, AcceptanceModel,
-                                         AcceptancePrior, CostTable, HeadRecord, best_budget,
-                                         budget_ladder, chance_above, choose_budget, cost_key,
-                                         draft_expected_tau, expected_tau, explore_index,
-                                         first_look_index, kept_seconds,
+                                         AcceptancePrior, CostTable, HeadRecord, best_budget, budget_ladder,
+                                         choose_budget, cost_key, draft_expected_tau,
+                                         expected_tau, first_look_index, kept_seconds,
                                          load_cost_table, load_head_record, probe_index,
                                          save_cost_table, save_head_record)
 from jetflow_jax.engine.budgets import BudgetChooser
@@ -256,47 +254,6 @@ def test_a_probe_runs_only_where_it_can_pay_for_itself():
   assert probe_index(1000, seconds_l, probe_l, np.array([1.0, 2.0, 4.0, 8.0]), 0.5) == 3
 
 
-def test_the_chance_a_tree_pays_is_a_normal_tail_between_the_two_estimates():
-  """`chance_above` against the standard library's normal distribution: the estimate 2 and
-  2.6 two standard errors up is a spread of 0.3."""
-  got = chance_above([2.0, 2.0, 3.0, 1.0], [2.6, 2.6, 3.0, 1.0], [2.5, 1.8, 2.5, 2.5])
-  oracle = [1 - statistics.NormalDist(2.0, 0.3).cdf(2.5), 1 - statistics.NormalDist(
-      2.0, 0.3).cdf(1.8), 1.0, 0.0]  # no spread: whether the estimate clears it
-  np.testing.assert_allclose(got, oracle, rtol=1e-12)
-
-
-def test_a_tree_only_optimism_picks_runs_where_it_may_pay_in_the_tokens_left():
-  """A row between its point estimate and the same two standard errors up: a tree that AR
-  beats by a quarter at the point estimate is not tried in 64 tokens (the chance it pays is
-  small), one near its break-even is while many tokens are left and not at the end."""
-  seconds_l = np.array([0.088, 0.27, 0.28, 0.245])  # AR, 4, 8, 16 (Qwen3-0.6B shapes, CPU)
-  needed_16 = 0.245 / 0.088  # 2.8 tokens a round to beat AR
-  losing = (np.array([1.0, 1.2, 1.5, 2.1]), np.array([1.0, 1.4, 2.0, 3.1]))
-  assert chance_above(losing[0], losing[1], seconds_l / seconds_l[0])[3] < 0.1
-  assert explore_index(64, seconds_l, seconds_l, *losing) == 0
-  near = (np.array([1.0, 1.6, 2.2, 2.7]), np.array([1.0, 2.0, 3.0, 3.7]))
-  assert near[0][3] < needed_16 < near[1][3]
-  assert explore_index(200, seconds_l, seconds_l, *near) == 3
-  assert explore_index(20, seconds_l, seconds_l, *near) == 0
-
-
-def test_a_drafter_that_loses_leaves_trees_though_its_record_is_its_prior():
-  """A drafter whose own prior says 2.1 tokens at 16, where a round must commit 2.8 to beat AR,
-  drafting at that rate: its upper estimate falls under the break-even within twenty rounds
-  (summed rather than added in quadrature, the prior's spread, which no draft narrows, kept it
-  above for good), and its record's chance of a win is small from the start."""
-  ladder, needed_l = (1, 4, 8, 16), np.array([1.0, 3.1, 3.2, 2.8])
-  prior = AcceptancePrior(tau_l=[1.0, 1.2, 1.5, 2.0], predicted_l=[1.0, 4.0, 8.0, 16.0])
-  record = HeadRecord({"head": "h"}, ladder).with_prior(prior)
-  assert record.upper_tau()[3] > needed_l[3] and record.win_chance(needed_l)[3] < 0.1
-  model = record.acceptance_model(rows=1, explore_every=32)
-  uppers = []
-  for _ in range(20):
-    model.update(np.array([[1.0, 4.0, 8.0, 16.0]]), [2.0], 16)
-    uppers.append(model.estimate(UPPER_Z)[0, 3])
-  assert uppers[0] > needed_l[3] > uppers[-1], uppers
-
-
 def test_a_drafter_never_seen_gets_one_look_that_risks_a_small_share():
   seconds_l = np.array([1.0, 3.0, 2.5, 4.0])  # AR, 4, 8, 16: the 8-node round risks least
   probe_l = seconds_l + 0.5  # each after a flush
@@ -397,8 +354,6 @@ def test_head_record_prior_chance_and_file(tmp_path):
   np.testing.assert_allclose(record.prior_tau(), [1.0, 1.0 + ratio * 1.0, 1.0 + ratio * 3.0])
   record.probes, record.wins, record.unseen_s = 3.0, 2.0, 1.5
   assert record.win_chance() == 0.6
-  # Its two pseudo-probes take the chance its own record gives: none at 16 where it needs 30.
-  np.testing.assert_allclose(record.win_chance([1.0, 1.5, 30.0])[2], 2 / 5)
   path = str(tmp_path / "costs.json")
   save_cost_table(path, CostTable(key={"device": "d"}, rows=(1,), seconds={"ar": {1: (1.0,)}}))
   save_head_record(path, record)

@@ -11,8 +11,7 @@ ladder budget with the most expected committed tokens per second, from
   `decoding.budget.HeadRecord`, kept beside the cost tables; a drafter never seen starts from
   AR). While AR runs, a tree is probed only where the probe can pay for itself over the busy
   requests' tokens left (`decoding.budget.probe_index`), and probes are spaced to a small share
-  of the AR time; a tree that only the slots' optimism picks is held to the same test
-  (`decoding.budget.explore_index`). A drafter never seen gets one look as in the device loop: the step that
+  of the AR time. A drafter never seen gets one look as in the device loop: the step that
   risks least, once that is a small share of the AR time spent with it, this server's and
   earlier runs' (`decoding.budget.first_look_index`).
 
@@ -34,9 +33,9 @@ import numpy as np
 
 from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key, look_share
 from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_key,
-                                         cost_tables_path, explore_index, first_look_index,
-                                         kept_seconds, load_head_record, optimistic_tau,
-                                         probe_index, save_head_record)
+                                         cost_tables_path, first_look_index, kept_seconds,
+                                         load_head_record, optimistic_tau, probe_index,
+                                         save_head_record)
 from jetflow_jax.drafters import drafter_prior
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
@@ -160,11 +159,8 @@ class BudgetChooser:
     if higher."""
     return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
-  def _tokens(self, busy_b, z: float = UPPER_Z) -> np.ndarray:
-    return self.model.estimate(z)[busy_b].sum(axis=0)
-
-  def _best(self, busy_b, z: float = UPPER_Z) -> int:
-    return best_budget(self._tokens(busy_b, z), self.seconds_l, self.ladder).index
+  def _tokens(self, busy_b) -> np.ndarray:
+    return self.model.estimate(UPPER_Z)[busy_b].sum(axis=0)
 
   def choose(self, busy_b, remaining_b=None) -> int:
     """The budget of the next step over the `busy_b` slots (a bool mask); `remaining_b`: the
@@ -174,23 +170,18 @@ class BudgetChooser:
     if self.schedule is not None:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
     else:
-      index = self._best(busy_b)
-      # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
-      steps_left = (None if remaining_b is None
-                    else float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step)
-      if index and steps_left is not None and not self._best(busy_b, 0.0):
-        # Only the slots' optimism picks a tree: as in the device loop, it must pay in time.
-        point_l, upper_l = (self.model.estimate(z)[busy_b].mean(axis=0) for z in (0.0, UPPER_Z))
-        index = explore_index(steps_left, self.seconds_l, self.seconds_l, point_l, upper_l)
+      index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
       looking = self.may_look and self.record.unseen  # (a step may have drafted since)
-      if (not index and steps_left is not None and len(self.ladder) > 1
+      if (not index and remaining_b is not None and len(self.ladder) > 1
           and (looking or self.starting or self.model.probe_due(busy_b))):
+        # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
+        steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
         # As the device loop: on a request's arrival, a known drafter is probed at once
         # only where its record says a tree could win.
         hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(busy_b)
                   else self.hope_l)
         index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
-                            self.record.win_chance(self.seconds_l / self.seconds_l[0]))
+                            self.record.win_chance())
         if looking and not index:
           index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
                                    look_share(self.record), self.record.unseen_s)
@@ -219,7 +210,8 @@ class BudgetChooser:
       self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
-      self.record.wins += float(self._best(valid_b) > 0)
+      self.record.wins += float(best_budget(self._tokens(valid_b), self.seconds_l,
+                                            self.ladder).index > 0)
     if self._save is not None and time.perf_counter() - self._saved >= self.SAVE_EVERY_S:
       self.close()
 
