@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import statistics
 import time
 
 import jax
@@ -9,9 +10,10 @@ import numpy as np
 import pytest
 
 from jetflow_jax.decoding.budget import (LADDER, PRIOR_DRAFTS, UPPER_Z, AcceptanceModel,
-                                         AcceptancePrior, CostTable, HeadRecord, best_budget, budget_ladder,
-                                         choose_budget, cost_key, draft_expected_tau,
-                                         expected_tau, first_look_index, kept_seconds,
+                                         AcceptancePrior, CostTable, HeadRecord, best_budget,
+                                         budget_ladder, chance_above, choose_budget, cost_key,
+                                         draft_expected_tau, expected_tau, explore_index,
+                                         first_look_index, kept_seconds,
                                          load_cost_table, load_head_record, probe_index,
                                          save_cost_table, save_head_record)
 from jetflow_jax.engine.budgets import BudgetChooser
@@ -254,6 +256,50 @@ def test_a_probe_runs_only_where_it_can_pay_for_itself():
   assert probe_index(1000, seconds_l, probe_l, np.array([1.0, 2.0, 4.0, 8.0]), 0.5) == 3
 
 
+def test_the_chance_a_tree_pays_is_a_normal_tail_between_the_two_estimates():
+  """`chance_above` against the standard library's normal distribution: the estimate 2 and
+  2.6 two standard errors up is a spread of 0.3."""
+  got = chance_above([2.0, 2.0, 3.0, 1.0], [2.6, 2.6, 3.0, 1.0], [2.5, 1.8, 2.5, 2.5])
+  oracle = [1 - statistics.NormalDist(2.0, 0.3).cdf(2.5), 1 - statistics.NormalDist(
+      2.0, 0.3).cdf(1.8), 1.0, 0.0]  # no spread: whether the estimate clears it
+  np.testing.assert_allclose(got, oracle, rtol=1e-12)
+
+
+def test_a_tree_only_optimism_picks_runs_where_the_records_chance_is_worth_its_loss():
+  """At Qwen3-0.6B round times on CPU (a 16-node round must commit 2.8 tokens to beat AR): a
+  row of a drafter whose record gives trees a 9% chance, its point estimate 2.1, explores only
+  where enough tokens are left, the switch exactly where chance x saving meets the expected
+  loss; a row of a drafter whose record wins, in an unlucky stretch (2.7), explores to the end
+  of its request, since it loses little a round."""
+  seconds_l = np.array([0.088, 0.27, 0.28, 0.245])  # AR, 4, 8, 16
+  point_l, upper_l = np.array([1.0, 1.2, 1.5, 2.1]), np.array([1.0, 1.4, 2.0, 3.0])
+  loss = 0.245 - 2.1 * 0.088
+  switch = loss / (0.09 * (0.088 - 0.245 / 3.0))  # tokens left where it starts to pay: 106
+  assert explore_index(switch * 0.99, seconds_l, point_l, upper_l, 0.09, 3) == 0
+  assert explore_index(switch * 1.01, seconds_l, point_l, upper_l, 0.09, 3) == 3
+  assert explore_index(64, seconds_l, point_l, upper_l, np.full(4, 0.09), 3) == 0
+  unlucky_l, hopeful_l = np.array([1.0, 1.6, 2.2, 2.7]), np.array([1.0, 2.0, 3.0, 3.7])
+  assert explore_index(4, seconds_l, unlucky_l, hopeful_l, 0.6, 3) == 3
+  assert explore_index(4, seconds_l, unlucky_l, hopeful_l, 0.01, 3) == 0
+
+
+def test_a_drafter_that_loses_leaves_trees_though_its_record_is_its_prior():
+  """A drafter whose own prior says 2.1 tokens at 16, where a round must commit 2.8 to beat AR,
+  drafting at that rate: its upper estimate falls under the break-even within twenty rounds
+  (summed rather than added in quadrature, the prior's spread, which no draft narrows, kept it
+  above for good), and its record's chance of a win is small from the start."""
+  ladder, needed_l = (1, 4, 8, 16), np.array([1.0, 3.1, 3.2, 2.8])
+  prior = AcceptancePrior(tau_l=[1.0, 1.2, 1.5, 2.0], predicted_l=[1.0, 4.0, 8.0, 16.0])
+  record = HeadRecord({"head": "h"}, ladder).with_prior(prior)
+  assert record.upper_tau()[3] > needed_l[3] and record.win_chance(needed_l)[3] < 0.1
+  model = record.acceptance_model(rows=1, explore_every=32)
+  uppers = []
+  for _ in range(20):
+    model.update(np.array([[1.0, 4.0, 8.0, 16.0]]), [2.0], 16)
+    uppers.append(model.estimate(UPPER_Z)[0, 3])
+  assert uppers[0] > needed_l[3] > uppers[-1], uppers
+
+
 def test_a_drafter_never_seen_gets_one_look_that_risks_a_small_share():
   seconds_l = np.array([1.0, 3.0, 2.5, 4.0])  # AR, 4, 8, 16: the 8-node round risks least
   probe_l = seconds_l + 0.5  # each after a flush
@@ -354,6 +400,8 @@ def test_head_record_prior_chance_and_file(tmp_path):
   np.testing.assert_allclose(record.prior_tau(), [1.0, 1.0 + ratio * 1.0, 1.0 + ratio * 3.0])
   record.probes, record.wins, record.unseen_s = 3.0, 2.0, 1.5
   assert record.win_chance() == 0.6
+  # Its two pseudo-probes take the chance its own record gives: none at 16 where it needs 30.
+  np.testing.assert_allclose(record.win_chance([1.0, 1.5, 30.0])[2], 2 / 5)
   path = str(tmp_path / "costs.json")
   save_cost_table(path, CostTable(key={"device": "d"}, rows=(1,), seconds={"ar": {1: (1.0,)}}))
   save_head_record(path, record)

@@ -11,14 +11,18 @@ learnt). "Pay" is judged with each row's observed gains `budget.UPPER_Z` standar
 trees win. On the point estimate, rows near the break-even left trees at their first unlucky
 stretch and learnt nothing more, and the record they left kept later requests on AR: replayed at
 Qwen3-0.6B times over six draw sequences, tau 4 at 128 and 512 tokens, where JetFlow 16 beats AR
-by 17%, auto read 0.87-0.92 of it, and 0.98-1.01 since. A tree probe runs only where it can pay
-for itself within the request (`budget.probe_index`: its chance of finding trees paying, from
-this drafter's past probes, times what trees could save over the tokens left, against what the
-probe costs, the flush of the held-back context included), and probes are spaced so that they
-cost a small share of the AR time. A row never drafted starts from what this drafter accepted in
-past runs on this target (`budget.HeadRecord`); a request may probe it at once where that
-record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`). A drafter never
-seen on this target starts from what it expects of itself where it can say
+by 17%, auto read 0.87-0.92 of it, and 0.98-1.01 since (that optimism is bounded: the row's and its
+record's errors add in quadrature, `AcceptanceModel.ratio_b`, so a drafter that loses by a quarter
+leaves trees within a few rounds). A tree round that only that optimism picks (the rows' point
+estimate picks AR) explores, and runs where the drafter's record gives trees a chance to pay over
+the tokens left worth its expected loss (`budget.explore_index`). A tree probe runs only where it
+can pay for itself within the request (`budget.probe_index`: its chance of finding trees paying,
+from this drafter's past probes and its record, times what trees could save over the tokens left,
+against what the probe costs, the flush of the held-back context included), and probes are spaced so
+that they cost a small share of the AR time. A row never drafted starts from what this drafter
+accepted in past runs on this target (`budget.HeadRecord`); a request may probe it at once where
+that record, for all its few drafts, says a tree could win (`HeadRecord.upper_tau`).
+A drafter never seen on this target starts from what it expects of itself where it can say
 (`Drafter.acceptance_prior`: a trained head's acceptance on held-out text, `head_acceptance`; a
 controlled drafter's distribution), taken as `budget.PRIOR_DRAFTS` past drafts
 (`HeadRecord.with_prior`); one that cannot starts from AR and gets one look: the probe that
@@ -43,8 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, budget_ladder,
-                                         cost_key, cost_tables_path, first_look_index,
-                                         kept_seconds, optimistic_tau, probe_index)
+                                         cost_key, cost_tables_path, explore_index,
+                                         first_look_index, kept_seconds, optimistic_tau,
+                                         probe_index)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
 from jetflow_jax.decoding.state import DecodeState
 from jetflow_jax.distributed import agreed, to_host
@@ -190,7 +195,9 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   tree at the prior the rows drift back to. Returns (state, the budget of every round).
   """
   rows = len(prompt_lengths_b)
-  probe_seconds_l = np.asarray(seconds_l, np.float64) + (flush_s if pending else 0.0)
+  seconds_l = np.asarray(seconds_l, np.float64)
+  probe_seconds_l = seconds_l + (flush_s if pending else 0.0)
+  needed_l = seconds_l / seconds_l[0]  # tokens a round must commit to beat AR
   cheapest_probe = float(np.min(probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
   model = record.acceptance_model(rows, explore_every=max(
       8, math.ceil(cheapest_probe / (PROBE_SHARE * seconds_l[0]))))
@@ -219,16 +226,21 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
     if finishing:
       index, runs = 0, ar_run
     elif schedule is None:
+      remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
       index = best_at(UPPER_Z, live_b)
+      if index and not best_at(0.0, live_b):
+        index = explore_index(remaining, seconds_l, model.estimate()[live_b].mean(axis=0),
+                              model.estimate(UPPER_Z)[live_b].mean(axis=0),
+                              record.win_chance(needed_l), index)
       if not index and may_probe:
-        remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
-        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, record.win_chance())
+        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l,
+                            record.win_chance(needed_l))
         look = lambda: (first_look_index(remaining, seconds_l, probe_seconds_l,
                                          look_share(record), record.unseen_s)
                         if starting and record.unseen else 0)
         if starting and record.drafts:
           index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l,
-                              record.win_chance()) or look()
+                              record.win_chance(needed_l)) or look()
           may_probe = bool(worth)
         elif starting or model.probe_due(live_b):
           index = worth or look()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import warnings
@@ -157,12 +158,16 @@ class AcceptanceModel:
     self.ar_rounds_b[active_b] = 0
 
   def ratio_b(self, z: float = 0.0) -> np.ndarray:
-    """Each row's calibration: observed gain per predicted gain; with `z`, its observed gains
-    (`gains_up`) taken `z` standard errors up, and for a row that has drafted the prior ratio
-    too (a row never drafted tries a tree only where a probe pays: `probe_index`)."""
-    spread_b = np.where(self.drafts_b > 0, z * self.prior_spread, 0.0)
-    prior = (self.prior_ratio + spread_b) * self.prior_weight
-    return ((prior + gains_up(self.observed_b, self.drafts_b, z))
+    """Each row's calibration: observed gain per predicted gain; with `z`, taken `z` standard
+    errors up: its observed gains' (`gains_up`) and, for a row that has drafted, the prior
+    ratio's (a row never drafted tries a tree only where a probe pays: `probe_index`). The two
+    errors are independent and add in quadrature: summed, the prior's spread, which the row's
+    drafts never narrow, kept a row of a drafter that loses by a quarter drafting round after
+    round (tau 2 at Qwen3-0.6B shapes, 64 tokens: 0.94 of AR)."""
+    prior_b = np.where(self.drafts_b > 0, self.prior_spread * self.prior_weight, 0.0)
+    observed_b = gains_up(self.observed_b, self.drafts_b, 1.0) - self.observed_b
+    up_b = z * np.sqrt(prior_b**2 + observed_b**2)
+    return ((self.prior_ratio * self.prior_weight + self.observed_b + up_b)
             / (self.prior_weight + self.predicted_b))
 
   def estimate(self, z: float = 0.0) -> np.ndarray:
@@ -485,8 +490,15 @@ class HeadRecord:
     """A model of `rows` rows that starts from this record (`model_prior`)."""
     return AcceptanceModel(self.ladder, rows, explore_every=explore_every, **self.model_prior())
 
-  def win_chance(self) -> float:
-    return (self.wins + 1.0) / (self.probes + 2.0)
+  def win_chance(self, needed_l=None):
+    """The chance a probe finds trees paying at each budget: its past probes' wins, with two
+    pseudo-probes at the chance this record itself gives that a round commits more than
+    `needed_l` tokens (`chance_above`, between `prior_tau()` and `upper_tau()`), even odds
+    where it holds no drafts or no `needed_l` is given. A drafter whose own prior says it
+    loses by a quarter is not probed at the even odds of one never seen."""
+    chance = (0.5 if needed_l is None or self.drafts <= 0
+              else chance_above(self.prior_tau(), self.upper_tau(), needed_l))
+    return (self.wins + 2.0 * chance) / (self.probes + 2.0)
 
   def add_drafts(self, predicted_bl, observed_b, budget: int, active_b) -> None:
     """One drafting round's `active_b` rows: predictions `[B, L]` and committed tokens `[B]`."""
@@ -548,21 +560,53 @@ def save_head_record(path: str | None, record: HeadRecord) -> None:
     warnings.warn(f"cannot keep what the drafter accepted in {path} ({e.strerror or e})")
 
 
-def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance: float) -> int:
+def probe_index(remaining: float, seconds_l, probe_seconds_l, hope_l, win_chance) -> int:
   """The ladder index of the tree worth probing now, 0 for none.
 
   A probe at budget n costs `probe_seconds_l[n]` (the round, and whatever must run before it,
   such as the flush of held-back context). What it may save: were the row to commit
   `hope_l[n]` tokens a round from here on, its `remaining` tokens would take
   remaining x seconds_l[n] / hope_l[n] instead of remaining x seconds_l[0] on AR. It runs
-  where `win_chance` x that saving exceeds its cost.
+  where `win_chance` (one for all budgets, or one each) x that saving exceeds its cost.
   """
   seconds_l, hope_l = np.asarray(seconds_l, np.float64), np.asarray(hope_l, np.float64)
   saving_l = remaining * (seconds_l[0] - seconds_l / hope_l)
-  value_l = win_chance * saving_l - np.asarray(probe_seconds_l, np.float64)
+  value_l = np.asarray(win_chance, np.float64) * saving_l - np.asarray(probe_seconds_l, np.float64)
   value_l[0] = 0.0
   index = int(np.argmax(value_l))
   return index if value_l[index] > 0 else 0
+
+
+def chance_above(point_l, upper_l, needed_l) -> np.ndarray:
+  """The chance that a round commits more than `needed_l` tokens at each budget, where
+  `point_l` estimates what it commits and `upper_l` is that estimate `UPPER_Z` standard errors
+  up (a normal error; no spread: 1 where the estimate clears `needed_l`, else 0)."""
+  point_l, upper_l, needed_l = np.broadcast_arrays(*(np.asarray(x, np.float64)
+                                                     for x in (point_l, upper_l, needed_l)))
+  spread_l = (upper_l - point_l) / UPPER_Z
+  return np.array([0.5 * math.erfc((n - p) / (s * math.sqrt(2.0))) if s > 0 else float(p > n)
+                   for p, s, n in zip(point_l.ravel(), spread_l.ravel(), needed_l.ravel())]
+                  ).reshape(point_l.shape)
+
+
+def explore_index(remaining: float, seconds_l, point_l, upper_l, win_chance, index: int) -> int:
+  """`index` where a tree round at it, which a row's estimate `UPPER_Z` standard errors up
+  (`upper_l`, tokens a round commits at each budget) picks and its point estimate (`point_l`)
+  does not, is worth its expected loss against AR; else 0.
+
+  Such a round explores: at the point estimate it loses seconds_l[n] - point_l[n] x
+  seconds_l[0] against AR; were the optimism right, the `remaining` tokens would save
+  remaining x (seconds_l[0] - seconds_l[n] / upper_l[n]). The chance of that is the
+  drafter's record's (`HeadRecord.win_chance`), not the row's own: a row of a drafter that
+  wins meets unlucky stretches, and a chance taken from them stopped it drafting where it
+  should not (the record left low kept later requests on AR); one of a drafter whose record
+  says it loses leaves trees as soon as the rounds left cannot pay for the look.
+  """
+  seconds_l = np.asarray(seconds_l, np.float64)
+  loss = seconds_l[index] - float(point_l[index]) * seconds_l[0]
+  saving = remaining * (seconds_l[0] - seconds_l[index] / float(upper_l[index]))
+  return index if float(np.broadcast_to(win_chance, seconds_l.shape)[index]) * saving >= loss \
+      else 0
 
 
 def first_look_index(remaining: float, seconds_l, probe_seconds_l, share: float,

@@ -6,14 +6,15 @@ ladder budget with the most expected committed tokens per second, from
   every slot busy, on a scratch state, and kept in a JSON cost table keyed by the device, the
   model shapes and the engine's, so the next start reuses it), and
 - what the busy slots' drafts predict at every budget, calibrated per slot against what each
-  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate and calibration start, when
-  its request arrives, from what this drafter accepted before on this target,
-  `decoding.budget.HeadRecord`, kept beside the cost tables; a drafter never seen starts from
-  AR). While AR runs, a tree is probed only where the probe can pay for itself over the busy
-  requests' tokens left (`decoding.budget.probe_index`), and probes are spaced to a small share
-  of the AR time. A drafter never seen gets one look as in the device loop: the step that
-  risks least, once that is a small share of the AR time spent with it, this server's and
-  earlier runs' (`decoding.budget.first_look_index`).
+  accepted (`decoding.budget.AcceptanceModel`; a slot's estimate and calibration start, when its
+  request arrives, from what this drafter accepted before on this target,
+  `decoding.budget.HeadRecord`, kept beside the cost tables; a drafter never seen starts from AR).
+  While AR runs, a tree is probed only where the probe can pay for itself over the busy requests'
+  tokens left (`decoding.budget.probe_index`), and probes are spaced to a small share of the AR
+  time; a tree that only the slots' optimism picks runs where the record's chance of trees
+  paying over those tokens is worth its expected loss (`decoding.budget.explore_index`). A drafter never seen gets one look as in the device loop: the
+  step that risks least, once that is a small share of the AR time spent with it, this server's
+  and earlier runs' (`decoding.budget.first_look_index`).
 
 Every budget's step variants run once at start-up before any request, also when their times
 come from the cost table (`warm_up_steps`): a program's first execution costs far more than the
@@ -33,9 +34,9 @@ import numpy as np
 
 from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key, look_share
 from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_key,
-                                         cost_tables_path, first_look_index, kept_seconds,
-                                         load_head_record, optimistic_tau, probe_index,
-                                         save_head_record)
+                                         cost_tables_path, explore_index, first_look_index,
+                                         kept_seconds, load_head_record, optimistic_tau,
+                                         probe_index, save_head_record)
 from jetflow_jax.drafters import drafter_prior
 from jetflow_jax.engine.engine import Engine, Request
 from jetflow_jax.engine.state import StepOutput
@@ -159,8 +160,8 @@ class BudgetChooser:
     if higher."""
     return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
-  def _tokens(self, busy_b) -> np.ndarray:
-    return self.model.estimate(UPPER_Z)[busy_b].sum(axis=0)
+  def _tokens(self, busy_b, z: float = UPPER_Z) -> np.ndarray:
+    return self.model.estimate(z)[busy_b].sum(axis=0)
 
   def choose(self, busy_b, remaining_b=None) -> int:
     """The budget of the next step over the `busy_b` slots (a bool mask); `remaining_b`: the
@@ -171,17 +172,23 @@ class BudgetChooser:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
     else:
       index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
+      win_chance = self.record.win_chance(self.seconds_l / self.seconds_l[0])
+      # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
+      steps_left = (None if remaining_b is None
+                    else float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step)
+      if index and steps_left is not None and not best_budget(
+          self._tokens(busy_b, 0.0), self.seconds_l, self.ladder).index:
+        # Only the slots' optimism picks a tree: as in the device loop, it explores.
+        point_l, upper_l = (self._tokens(busy_b, z) / busy_b.sum() for z in (0.0, UPPER_Z))
+        index = explore_index(steps_left, self.seconds_l, point_l, upper_l, win_chance, index)
       looking = self.may_look and self.record.unseen  # (a step may have drafted since)
-      if (not index and remaining_b is not None and len(self.ladder) > 1
+      if (not index and steps_left is not None and len(self.ladder) > 1
           and (looking or self.starting or self.model.probe_due(busy_b))):
-        # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
-        steps_left = float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step
         # As the device loop: on a request's arrival, a known drafter is probed at once
         # only where its record says a tree could win.
         hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(busy_b)
                   else self.hope_l)
-        index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
-                            self.record.win_chance())
+        index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l, win_chance)
         if looking and not index:
           index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
                                    look_share(self.record), self.record.unseen_s)
