@@ -278,9 +278,9 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         observed_b = committed_br[np.arange(rows), column_b]
         model.update(predicted_bl, observed_b, budget, ran_b > r)
         record.add_drafts(predicted_bl, observed_b, budget, ran_b > r)
-      if probing:  # won: the model now says a tree pays
+      if probing:  # won: the rows' point estimate now says a tree pays
         record.probes += 1
-        record.wins += float(best_at(UPPER_Z, live_b) > 0)
+        record.wins += float(best_at(0.0, live_b) > 0)
     else:
       for r in range(int(ran_b.max())):
         model.update(None, None, 1, ran_b > r)

@@ -407,7 +407,9 @@ class HeadRecord:
   predicted_gain_l: np.ndarray | None = None  # their drafts' predicted gains at every budget
   drafts: float = 0.0  # drafting rows summed in the above
   probes: float = 0.0
-  wins: float = 0.0  # probes after which the next round drafted again
+  wins: float = 0.0  # probes after which the rows' point estimate picked a tree (their upper
+  # estimate, which a probe's one draft rarely rules out, made a probe of a drafter that loses
+  # by a quarter a win, and its next probes and exploring rounds likelier)
   unseen_s: float = 0.0  # estimated seconds of AR rounds run before the drafter's first draft
   prior_drafts: float = 0.0  # of `drafts`, those standing for the drafter's own prior
 

@@ -217,7 +217,7 @@ class BudgetChooser:
       self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
-      self.record.wins += float(best_budget(self._tokens(valid_b), self.seconds_l,
+      self.record.wins += float(best_budget(self._tokens(valid_b, 0.0), self.seconds_l,
                                             self.ladder).index > 0)
     if self._save is not None and time.perf_counter() - self._saved >= self.SAVE_EVERY_S:
       self.close()
