@@ -126,9 +126,9 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   flat = choose()
   assert flat.budgets[0] > 1
   # Trees at 1.6 AR rounds, and a record of 4 drafts that accepted 2 of 21 predicted gains: it
-  # says AR, but also that a tree could win (a chance of 0.37: `HeadRecord.win_chance`), so the
-  # request starts with a probe; a record of 400 drafts at that ratio says no tree can, and the
-  # request runs AR from its first round.
+  # says AR, but also that a tree could win (a chance of 0.36 at 16: `HeadRecord.win_chance`),
+  # so the request starts with a probe; a record of 400 drafts at that ratio says no tree can,
+  # and the request runs AR from its first round.
   table["seconds"] = {m: {n: [{"tree": 1.6, "ar": 1.0}.get(m, 0.01)] for n in by_n}
                       for m, by_n in table["seconds"].items()}
   for drafts, probed in ((4.0, True), (400.0, False)):

@@ -334,6 +334,12 @@ def test_the_engine_looks_at_a_new_drafter_and_starts_slots_from_its_record():
   assert chooser.choose(busy, left) == 1  # one look, though the record has not heard of it yet
   chooser.record_step(4, output(2, [1.0, 3.0, 4.0]), busy)  # gains 1 of 2 predicted a row
   assert chooser.record.drafts == 2 and chooser.record.probes == 1
+  # Not a win: the slots' point estimate (2.7 tokens for a step of 3 AR steps) says AR, though
+  # their upper estimate, one draft being little to go by, picks the 4-node tree (3.6 tokens).
+  assert chooser.record.wins == 0
+  # That tree explores where the record's chance (0.11) of it paying over the steps left is
+  # worth its expected loss (a third of a step): over 100 steps, not over 10.
+  assert chooser.choose(busy, [100, 100]) == 4 and chooser.choose(busy, left) == 1
   # A known drafter: each slot's calibration starts at its record's ratio (observed over
   # predicted gains, one pseudo-count each).
   record = chooser.record

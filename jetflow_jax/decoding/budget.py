@@ -602,7 +602,7 @@ def explore_index(remaining: float, seconds_l, point_l, upper_l, win_chance, ind
   drafter's record's (`HeadRecord.win_chance`), not the row's own: a row of a drafter that
   wins meets unlucky stretches, and a chance taken from them stopped it drafting where it
   should not (the record left low kept later requests on AR); one of a drafter whose record
-  says it loses leaves trees as soon as the rounds left cannot pay for the look.
+  says it loses leaves trees as soon as the tokens left cannot pay for the round.
   """
   seconds_l = np.asarray(seconds_l, np.float64)
   loss = seconds_l[index] - float(point_l[index]) * seconds_l[0]

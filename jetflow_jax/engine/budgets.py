@@ -11,10 +11,11 @@ ladder budget with the most expected committed tokens per second, from
   `decoding.budget.HeadRecord`, kept beside the cost tables; a drafter never seen starts from AR).
   While AR runs, a tree is probed only where the probe can pay for itself over the busy requests'
   tokens left (`decoding.budget.probe_index`), and probes are spaced to a small share of the AR
-  time; a tree that only the slots' optimism picks runs where the record's chance of trees
-  paying over those tokens is worth its expected loss (`decoding.budget.explore_index`). A drafter never seen gets one look as in the device loop: the
-  step that risks least, once that is a small share of the AR time spent with it, this server's
-  and earlier runs' (`decoding.budget.first_look_index`).
+  time; a tree that only the slots' optimism picks runs where the record's chance of trees paying
+  over those tokens is worth its expected loss (`decoding.budget.explore_index`). A drafter never
+  seen gets one look as in the device loop: the step that risks least, once that is a small share
+  of the AR time spent with it, this server's and earlier runs'
+  (`decoding.budget.first_look_index`).
 
 Every budget's step variants run once at start-up before any request, also when their times
 come from the cost table (`warm_up_steps`): a program's first execution costs far more than the
