@@ -233,14 +233,13 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
                               model.estimate(UPPER_Z)[live_b].mean(axis=0),
                               record.win_chance(needed_l), index)
       if not index and may_probe:
-        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l,
-                            record.win_chance(needed_l))
+        chance_l = record.win_chance(needed_l)
+        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, chance_l)
         look = lambda: (first_look_index(remaining, seconds_l, probe_seconds_l,
                                          look_share(record), record.unseen_s)
                         if starting and record.unseen else 0)
         if starting and record.drafts:
-          index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l,
-                              record.win_chance(needed_l)) or look()
+          index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l, chance_l) or look()
           may_probe = bool(worth)
         elif starting or model.probe_due(live_b):
           index = worth or look()

@@ -164,6 +164,13 @@ class BudgetChooser:
   def _tokens(self, busy_b, z: float = UPPER_Z) -> np.ndarray:
     return self.model.estimate(z)[busy_b].sum(axis=0)
 
+  def _best(self, busy_b, z: float = UPPER_Z) -> int:
+    """The ladder index of the best budget for the `busy_b` slots at `z` standard errors up."""
+    return best_budget(self._tokens(busy_b, z), self.seconds_l, self.ladder).index
+
+  def _win_chance(self) -> np.ndarray:
+    return self.record.win_chance(self.seconds_l / self.seconds_l[0])
+
   def choose(self, busy_b, remaining_b=None) -> int:
     """The budget of the next step over the `busy_b` slots (a bool mask); `remaining_b`: the
     tokens each slot's request may still produce (default: no probe pays)."""
@@ -172,16 +179,15 @@ class BudgetChooser:
     if self.schedule is not None:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
     else:
-      index = best_budget(self._tokens(busy_b), self.seconds_l, self.ladder).index
-      win_chance = self.record.win_chance(self.seconds_l / self.seconds_l[0])
+      index = self._best(busy_b)
       # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
       steps_left = (None if remaining_b is None
                     else float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step)
-      if index and steps_left is not None and not best_budget(
-          self._tokens(busy_b, 0.0), self.seconds_l, self.ladder).index:
+      if index and steps_left is not None and not self._best(busy_b, 0.0):
         # Only the slots' optimism picks a tree: as in the device loop, it explores.
         point_l, upper_l = (self._tokens(busy_b, z) / busy_b.sum() for z in (0.0, UPPER_Z))
-        index = explore_index(steps_left, self.seconds_l, point_l, upper_l, win_chance, index)
+        index = explore_index(steps_left, self.seconds_l, point_l, upper_l, self._win_chance(),
+                              index)
       looking = self.may_look and self.record.unseen  # (a step may have drafted since)
       if (not index and steps_left is not None and len(self.ladder) > 1
           and (looking or self.starting or self.model.probe_due(busy_b))):
@@ -189,7 +195,8 @@ class BudgetChooser:
         # only where its record says a tree could win.
         hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(busy_b)
                   else self.hope_l)
-        index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l, win_chance)
+        index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
+                            self._win_chance())
         if looking and not index:
           index = first_look_index(steps_left, self.seconds_l, self.seconds_l,
                                    look_share(self.record), self.record.unseen_s)
@@ -218,8 +225,7 @@ class BudgetChooser:
       self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
-      self.record.wins += float(best_budget(self._tokens(valid_b, 0.0), self.seconds_l,
-                                            self.ladder).index > 0)
+      self.record.wins += float(self._best(valid_b, 0.0) > 0)
     if self._save is not None and time.perf_counter() - self._saved >= self.SAVE_EVERY_S:
       self.close()
 
