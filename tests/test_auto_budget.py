@@ -85,10 +85,18 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
                       for m, by_n in table["seconds"].items()}
   path.write_text(json.dumps({"tables": [table]}))
   monkeypatch.setattr(auto, "_seconds", {})
+  ran = []
+
+  def counting(state, advance_l, *args):  # run_auto(state, advance_l, ..., finish)
+    count = lambda name, fn: lambda *a: ran.append(name) or fn(*a)
+    return run_auto(state, [count("ladder", fn) for fn in advance_l], *args[:-1],
+                    count("finish", args[-1]))
+
+  monkeypatch.setattr(loop, "run_auto", counting)
   steep = choose()
   assert steep.tokens == reference and set(steep.budgets) == {1}
-  # ... finished by AR rounds that keep no taps, compiled beside the ladder's programs.
-  assert any(isinstance(key[-1], RoundSpec) and not key[-1].taps for key in compiled.entries)
+  # ... plain AR's programs from the prefill on: not the head's prefill, nor its loops.
+  assert not ran and steep.num_forwards == len(steep.budgets) + 1
   (unseen,) = json.loads(path.read_text())["heads"]
   assert unseen["probes"] == 0 and unseen["unseen_s"] == len(steep.budgets)  # 1 s an AR round
   # A look that risks 3 s, more than 5% of one request's AR time, is taken once the drafter's
@@ -101,22 +109,17 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   looked = choose()
   assert looked.tokens == reference and looked.budgets[0] > 1
   assert json.loads(path.read_text())["heads"][0]["probes"] == 1
-  # Known now, and trees 100x an AR round: no probe can pay in the request, so from the first
-  # decision it runs through `finish`, plain AR's program (it once kept taps back to the end).
+  # ... after which nothing will draft: the rest runs through `finish`, AR rounds that keep no
+  # taps (they once kept taps back to the end).
+  assert ran[0] == "ladder" and ran[-1] == "finish"
+  # Known now, and trees 100x an AR round: no probe can pay in the request, so it runs plain AR
+  # from its prefill on.
   table["seconds"]["tree"] = {n: [100.0] for n in table["seconds"]["tree"]}
   path.write_text(json.dumps({"tables": [table], "heads": json.loads(path.read_text())["heads"]}))
   monkeypatch.setattr(auto, "_seconds", {})
-  ran = []
-
-  def counting(state, advance_l, *args):  # run_auto(state, advance_l, ..., finish)
-    count = lambda name, fn: lambda *a: ran.append(name) or fn(*a)
-    return run_auto(state, [count("ladder", fn) for fn in advance_l], *args[:-1],
-                    count("finish", args[-1]))
-
-  monkeypatch.setattr(loop, "run_auto", counting)
+  ran.clear()
   known = choose()
-  assert known.tokens == reference and set(known.budgets) == {1}
-  assert ran and set(ran) == {"finish"}
+  assert known.tokens == reference and set(known.budgets) == {1} and not ran
   # Flat costs, and a record of this head's good drafts: trees from the first round.
   table["seconds"] = {m: {n: [1.0] for n in by_n} for m, by_n in table["seconds"].items()}
   record.update(observed=40.0, predicted=40.0, drafts=10.0,

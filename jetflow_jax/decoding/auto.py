@@ -139,27 +139,29 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
   return key
 
 
-def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
-                  flush: Callable | None, state: DecodeState, prompt_width: int,
-                  capacity: int, kernel_layout: str) -> tuple[np.ndarray, float]:
-  """(seconds of a round at each spec's budget, seconds of `flush`) on this device and these
-  shapes: measured on copies of `state` the first time, and kept (in this process, and in the
-  cost tables file `budget.cost_tables_path()` for the next)."""
-  memo = (tuple(specs), jax.tree.structure(state),
-          tuple(x.shape for x in jax.tree.leaves(state)), prompt_width, capacity, flush is None,
-          kernel_layout)
+def round_seconds(specs: Sequence[RoundSpec], programs: Callable[[], tuple], rows: int,
+                  dtype: str, prompt_width: int, capacity: int, kernel_layout: str,
+                  with_flush: bool) -> tuple[np.ndarray, float]:
+  """(seconds of a round at each spec's budget, seconds of the flush, 0 without one) on this
+  device and these shapes: kept in this process and in the cost tables file
+  (`budget.cost_tables_path()`), else measured, once per shape, on copies of a scratch state.
+  `programs()` gives what is measured: (a loop per spec, taking (state, rounds); the flush or
+  None; the state), and is called only when nothing is kept."""
+  memo = (tuple(specs), rows, dtype, prompt_width, capacity, with_flush, kernel_layout)
   if memo not in _seconds:
-    before = to_host(state.rounds_b)
-
-    def timed(run, per_round: bool) -> float:
-      fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-      start = time.perf_counter()
-      after = jax.block_until_ready(run(fresh))
-      elapsed = time.perf_counter() - start
-      return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1) if per_round \
-          else elapsed
 
     def measure() -> np.ndarray:
+      advance_l, flush, state = programs()
+      before = to_host(state.rounds_b)
+
+      def timed(run, per_round: bool) -> float:
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        start = time.perf_counter()
+        after = jax.block_until_ready(run(fresh))
+        elapsed = time.perf_counter() - start
+        return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1) if per_round \
+            else elapsed
+
       runs = [(lambda s, a=advance: a(s, 2), True) for advance in advance_l]
       if flush is not None:
         runs.append((flush, False))
@@ -168,10 +170,8 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
       return np.array([min(timed(run, per_round) for _ in range(TIMED_RUNS))
                        for run, per_round in runs])
 
-    rows = state.lengths_b.shape[0]
-    key = loop_cost_key(specs, rows, str(state.cache.k[0].dtype), prompt_width, capacity,
-                        kernel_layout)
-    extras = () if flush is None else ("flush",)
+    key = loop_cost_key(specs, rows, dtype, prompt_width, capacity, kernel_layout)
+    extras = ("flush",) if with_flush else ()
     seconds, _ = kept_seconds(key, specs[-1].ladder, rows, measure, cost_tables_path(),
                               "seconds of one round of the device loop; flush: the held-back "
                               "context", extras=extras)
@@ -179,12 +179,95 @@ def round_seconds(specs: Sequence[RoundSpec], advance_l: Sequence[Callable],
   return _seconds[memo]
 
 
+class Chooser:
+  """One request's budget decisions, as the module docstring says: from the round times here
+  (`seconds_l`, and `flush_s` for the held-back context where `pending`), the drafter's
+  `record` and what the request's own rows accept (`model`). `can_finish`: AR rounds that keep
+  no taps can run the rest of the request (`finishing`) once nothing will draft in it again."""
+
+  def __init__(self, record: HeadRecord, ladder: Sequence[int], seconds_l, flush_s: float,
+               pending: int, rows: int, can_finish: bool):
+    self.record, self.ladder, self.can_finish = record, tuple(ladder), can_finish
+    self.seconds_l = np.asarray(seconds_l, np.float64)
+    self.probe_seconds_l = self.seconds_l + (flush_s if pending else 0.0)
+    self.needed_l = self.seconds_l / self.seconds_l[0]  # tokens a round must commit to beat AR
+    cheapest_probe = float(np.min(self.probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
+    self.model = record.acceptance_model(rows, explore_every=max(
+        8, math.ceil(cheapest_probe / (PROBE_SHARE * self.seconds_l[0]))))
+    self.upper_l = record.upper_tau()
+    self.hope_l = np.maximum(optimistic_tau(ladder), self.upper_l)
+    self.ar_run = max(1, int(AR_RUN_S / self.seconds_l[0]))
+    # The request's first decision may probe at once: a drafter never seen where a probe at
+    # `hope_l` pays (else its look), a known one where its record says a tree could win
+    # (`upper_l`); later probes wait for `explore_every` AR rounds. Once a probe at `hope_l`
+    # does not pay, none will in this request: fewer tokens are left at every check.
+    self.may_probe, self.starting = len(ladder) > 1, True
+    self.finishing = False
+
+  def best_at(self, z: float, live_b) -> int:
+    """The best budget for the live rows at their gains `z` standard errors up."""
+    return best_budget(self.model.estimate(z)[live_b].sum(axis=0), self.seconds_l,
+                       self.ladder).index
+
+  def decide(self, remaining: float, live_b) -> tuple[int, int, bool]:
+    """(ladder index, rounds to run, whether it is a probe) with `remaining` tokens left to the
+    live rows (`live_b`)."""
+    model, record, seconds_l = self.model, self.record, self.seconds_l
+    starting, self.starting = self.starting, False
+    if self.finishing:
+      return 0, self.ar_run, False
+    probing = False
+    index = self.best_at(UPPER_Z, live_b)
+    if index and not self.best_at(0.0, live_b):
+      index = explore_index(remaining, seconds_l, model.estimate()[live_b].mean(axis=0),
+                            model.estimate(UPPER_Z)[live_b].mean(axis=0),
+                            record.win_chance(self.needed_l), index)
+    if not index and self.may_probe:
+      chance_l = record.win_chance(self.needed_l)
+      worth = probe_index(remaining, seconds_l, self.probe_seconds_l, self.hope_l, chance_l)
+      look = lambda: (first_look_index(remaining, seconds_l, self.probe_seconds_l,
+                                       look_share(record), record.unseen_s)
+                      if starting and record.unseen else 0)
+      if starting and record.drafts:
+        index = (probe_index(remaining, seconds_l, self.probe_seconds_l, self.upper_l, chance_l)
+                 or look())
+        self.may_probe = bool(worth)
+      elif starting or model.probe_due(live_b):
+        index = worth or look()
+        self.may_probe = index > 0
+      elif not worth:  # no probe pays in what is left now, nor later with less left
+        self.may_probe = False
+      probing = index > 0
+    wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
+    if index:  # several rounds where even the gains UPPER_Z standard errors down agree
+      runs = SURE_RUNS if not probing and self.best_at(-UPPER_Z, live_b) == index else 1
+    else:
+      runs = min(self.ar_run, wait) if self.may_probe else self.ar_run
+    prior_l = record.prior_tau() * live_b.sum()
+    self.finishing = (self.can_finish and not index and not self.may_probe
+                      and not best_budget(prior_l, seconds_l, self.ladder).index)
+    return index, runs, probing
+
+
+def drafts_ahead(record: HeadRecord, ladder: Sequence[int], seconds_l, flush_s: float,
+                 pending: int, rows: int, max_new_tokens: int) -> bool:
+  """Whether a request of `rows` rows and `max_new_tokens` tokens may run a tree round: its
+  first decision is not AR to the end (no tree pays at the record's estimate, no probe or look
+  can pay within the request, and the record's prior picks AR). Where it is not, the request
+  runs plain AR's programs from its prefill on: a drafter's prefill (the target with taps, the
+  drafter's state) costs several times plain AR's, a tenth of a short request on the embedded
+  pair."""
+  chooser = Chooser(record, ladder, seconds_l, flush_s, pending, rows, can_finish=True)
+  chooser.decide(float(max_new_tokens), np.ones(rows, bool))
+  return not chooser.finishing
+
+
 def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable | None,
              ladder: tuple[int, ...], seconds_l: np.ndarray, flush_s: float, pending: int,
              prompt_lengths_b, record: HeadRecord, on_tokens=None,
              schedule: Sequence[int] | None = None, finish: Callable | None = None):
-  """Rounds until every row is done, each run's budget chosen as the module docstring says, or
-  taken in turn from `schedule` (ladder budgets, one round each: for tests and experiments).
+  """Rounds until every row is done, each run's budget chosen by a `Chooser`, or taken in turn
+  from `schedule` (ladder budgets, one round each: for tests and experiments).
   The prompt's taps and AR rounds' are kept back from the drafter, at most `pending` AR rounds
   in a row, until `flush` commits them: before a drafting round, or when the buffer is full
   (0: AR rounds commit their own, and `flush` may be None); `flush_s` is what a flush costs.
@@ -195,71 +278,23 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   tree at the prior the rows drift back to. Returns (state, the budget of every round).
   """
   rows = len(prompt_lengths_b)
-  seconds_l = np.asarray(seconds_l, np.float64)
-  probe_seconds_l = seconds_l + (flush_s if pending else 0.0)
-  needed_l = seconds_l / seconds_l[0]  # tokens a round must commit to beat AR
-  cheapest_probe = float(np.min(probe_seconds_l[1:])) if len(ladder) > 1 else 0.0
-  model = record.acceptance_model(rows, explore_every=max(
-      8, math.ceil(cheapest_probe / (PROBE_SHARE * seconds_l[0]))))
-  upper_l = record.upper_tau()
-  hope_l = np.maximum(optimistic_tau(ladder), upper_l)
-  ar_run = max(1, int(AR_RUN_S / seconds_l[0]))
-  # The request's first decision may probe at once: a drafter never seen where a probe at
-  # `hope_l` pays (else its look), a known one where its record says a tree could win
-  # (`upper_l`); later probes wait for `explore_every` AR rounds. Once a probe at `hope_l`
-  # does not pay, none will in this call: fewer tokens are left at every check.
-  may_probe, starting = len(ladder) > 1, True
+  chooser = Chooser(record, ladder, seconds_l, flush_s, pending, rows, finish is not None)
+  model = chooser.model
   budgets: list[int] = []
   done_b, rounds_b, lengths_b, max_lengths_b = to_host(
       (state.done_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
   streamed = time.perf_counter()
   held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
-  finishing = False  # AR to the end of the request, through `finish`
-
-  def best_at(z: float, live_b) -> int:
-    """The best budget for the live rows at their gains `z` standard errors up."""
-    return best_budget(model.estimate(z)[live_b].sum(axis=0), seconds_l, ladder).index
 
   while not done_b.all():
     live_b = ~done_b
-    probing = False
-    if finishing:
-      index, runs = 0, ar_run
-    elif schedule is None:
-      remaining = float(np.max((max_lengths_b - lengths_b)[live_b]))
-      index = best_at(UPPER_Z, live_b)
-      if index and not best_at(0.0, live_b):
-        index = explore_index(remaining, seconds_l, model.estimate()[live_b].mean(axis=0),
-                              model.estimate(UPPER_Z)[live_b].mean(axis=0),
-                              record.win_chance(needed_l), index)
-      if not index and may_probe:
-        chance_l = record.win_chance(needed_l)
-        worth = probe_index(remaining, seconds_l, probe_seconds_l, hope_l, chance_l)
-        look = lambda: (first_look_index(remaining, seconds_l, probe_seconds_l,
-                                         look_share(record), record.unseen_s)
-                        if starting and record.unseen else 0)
-        if starting and record.drafts:
-          index = probe_index(remaining, seconds_l, probe_seconds_l, upper_l, chance_l) or look()
-          may_probe = bool(worth)
-        elif starting or model.probe_due(live_b):
-          index = worth or look()
-          may_probe = index > 0
-        elif not worth:  # no probe pays in what is left now, nor later with less left
-          may_probe = False
-        probing = index > 0
-      wait = model.explore_every - int(model.ar_rounds_b[live_b].max())
-      if index:  # several rounds where even the gains UPPER_Z standard errors down agree
-        runs = SURE_RUNS if not probing and best_at(-UPPER_Z, live_b) == index else 1
-      else:
-        runs = min(ar_run, wait) if may_probe else ar_run
-      prior_l = record.prior_tau() * live_b.sum()
-      finishing = finishing or (finish is not None and not index and not may_probe
-                                and not best_budget(prior_l, seconds_l, ladder).index)
+    if schedule is None:
+      index, runs, probing = chooser.decide(float(np.max((max_lengths_b - lengths_b)[live_b])),
+                                            live_b)
     else:
-      index, runs = ladder.index(schedule[len(budgets) % len(schedule)]), 1
-    starting = False
+      index, runs, probing = ladder.index(schedule[len(budgets) % len(schedule)]), 1, False
     budget = ladder[index]
-    if finishing:
+    if chooser.finishing:
       state = finish(state, runs)
     else:
       if pending and (held == pending or (budget > 1 and (held or not flushed))):
@@ -279,7 +314,7 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
         record.add_drafts(predicted_bl, observed_b, budget, ran_b > r)
       if probing:  # won: the rows' point estimate now says a tree pays
         record.probes += 1
-        record.wins += float(best_at(0.0, live_b) > 0)
+        record.wins += float(chooser.best_at(0.0, live_b) > 0)
     else:
       for r in range(int(ran_b.max())):
         model.update(None, None, 1, ran_b > r)
@@ -291,6 +326,5 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       tokens, lengths = to_host((state.tokens_bs, state.lengths_b))
       on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
       streamed = time.perf_counter()
-  if record.unseen:
-    record.unseen_s += budgets.count(1) * float(seconds_l[0])
+  record.add_unseen(budgets.count(1) * float(chooser.seconds_l[0]))
   return state, budgets

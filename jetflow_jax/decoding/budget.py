@@ -502,6 +502,11 @@ class HeadRecord:
               else chance_above(self.prior_tau(), self.upper_tau(), needed_l))
     return (self.wins + 2.0 * chance) / (self.probes + 2.0)
 
+  def add_unseen(self, ar_seconds: float) -> None:
+    """Counts `ar_seconds` of AR rounds run with this drafter while it is `unseen`."""
+    if self.unseen:
+      self.unseen_s += ar_seconds
+
   def add_drafts(self, predicted_bl, observed_b, budget: int, active_b) -> None:
     """One drafting round's `active_b` rows: predictions `[B, L]` and committed tokens `[B]`."""
     index, active_b = self.ladder.index(budget), np.asarray(active_b, bool)

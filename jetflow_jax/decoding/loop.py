@@ -17,16 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetflow_jax.config import Qwen3Config
-from jetflow_jax.decoding.auto import auto_specs, head_record_key, round_seconds, run_auto
-from jetflow_jax.decoding.budget import cost_tables_path, load_head_record, save_head_record
+from jetflow_jax.decoding.auto import (auto_specs, drafts_ahead, head_record_key, round_seconds,
+                                       run_auto)
+from jetflow_jax.decoding.budget import (HeadRecord, cost_tables_path, load_head_record,
+                                         save_head_record)
 from jetflow_jax.decoding.prefill import prefill
 from jetflow_jax.decoding.round import RoundSpec, TreeShape, decode_round, flush_pending
 from jetflow_jax.decoding.state import (DecodeState, StopReason, default_cache_size, pad_prompts,
                                         stop_rows, stop_tokens_for)
 from jetflow_jax.distributed import agreed, to_host
-from jetflow_jax.drafters import Drafter, drafter_prior
+from jetflow_jax.drafters import Drafter, NoDrafter, drafter_prior
 from jetflow_jax.errors import InputError
 from jetflow_jax.mesh import DecodeMesh
+from jetflow_jax.model import params_dtype
 from jetflow_jax.partitioning import KEEP, abstract, kernel_layout
 from jetflow_jax.sampling import Greedy, RowSampling, Sampler, sampling_flags
 
@@ -313,7 +316,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
       a multi-process job every process passes the same arguments (`on_tokens` on all or none).
     auto: True chooses each round's budget on the ladder up to `tree_shape.budget`
       (`decoding.auto`): the round of each budget compiles, and is timed once per shape; a
-      sequence of ladder budgets runs them in turn instead.
+      request that will not draft (`auto.drafts_ahead`) runs plain AR's programs instead. A
+      sequence of ladder budgets runs them in turn.
     warmup: with it (or `auto`), every program runs once on scratch state before the clock
       starts (`warm_up`; its time is `Generation.warmup_s`), so `wall_s` holds no first
       executions.
@@ -344,52 +348,43 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   spec = RoundSpec(config=config, drafter=drafter, tree_shape=tree_shape, impl=impl, mesh=mesh,
                    **sampling_flags([sampler]))
   specs = auto_specs(spec) if auto else [spec]
-
-  start = time.perf_counter()
-  compiled_l = [compile_decode(target_params, drafter_params, rows, s, cache_size) for s in specs]
-  compile_s = time.perf_counter() - start
-  advance_l = [functools.partial(decode_fn, target_params, drafter_params)
-               for _, decode_fn in compiled_l]
-  prefill_fn = compiled_l[0][0]
-  pending = pending_rounds(specs[0], rows.prompt_bt.shape[1], cache_size)
-  flush_exe = flush_fn = finish_fn = None
-  decode_fns = [fn for _, fn in compiled_l]
-  if pending:  # a drafter with taps, under auto
-    flush_exe = compile_flush(drafter_params, prefill_fn, drafter, mesh)
-    flush_fn = functools.partial(flush_exe, drafter_params)
-    # AR rounds that keep no taps: a request's rest once nothing will draft in it again.
-    _, finish_exe = compile_decode(target_params, drafter_params, rows,
-                                   dataclasses.replace(specs[0], taps=False), cache_size)
-    finish_fn = functools.partial(finish_exe, target_params, drafter_params)
-    decode_fns.append(finish_exe)
-    compile_s = time.perf_counter() - start
-  warmup_s = (warm_up(prefill_fn, decode_fns, flush_exe, target_params, drafter_params, args)
-              if auto or warmup else 0.0)
-
+  width = rows.prompt_bt.shape[1]
+  pending = pending_rounds(specs[0], width, cache_size)
+  ready = functools.cache(lambda: ready_programs(target_params, drafter_params, rows, args, specs,
+                                                 cache_size, pending, bool(auto or warmup)))
   calibrate_s, budgets = 0.0, []
-  start = time.perf_counter()
-  state = prefill_fn(target_params, drafter_params, *args)
-  if auto:
-    # The prefill finishes on the clock: calibration waits for the state it copies, and that
-    # wait must not be left out with it.
-    state = jax.block_until_ready(state)
-    calibrating = time.perf_counter()  # on copies of the state; its time is left out below
-    width = rows.prompt_bt.shape[1]
-    seconds_l, flush_s = (round_seconds(specs, advance_l, flush_fn, state, width, cache_size,
-                                        kernel_layout(target_params))
-                          if auto is True else (np.ones(len(specs)), 0.0))  # a schedule: no times
+  seconds_l, flush_s = np.ones(len(specs)), 0.0  # a schedule's: no times
+  record = HeadRecord({}, specs[0].ladder)
+  if auto is True:
+    calibrating = time.perf_counter()
+    seconds_l, flush_s = round_seconds(
+        specs, lambda: ready().scratch(target_params, drafter_params, args), len(prompts),
+        str(params_dtype(target_params)), width, cache_size, kernel_layout(target_params),
+        pending > 0)
     record = load_head_record(cost_tables_path(), head_record_key(specs[-1], drafter_params),
                               specs[-1].ladder,
                               drafter_prior(specs[-1].drafter, drafter_params, specs[-1].ladder))
-    calibrate_s = time.perf_counter() - calibrating
-    state, budgets = run_auto(state, advance_l, flush_fn, specs[0].ladder, seconds_l, flush_s,
-                              pending, rows.lengths_b, record, on_tokens,
-                              None if auto is True else auto, finish_fn)
+    timed = ready() if ready.cache_info().currsize else None  # built to time their rounds
+    calibrate_s = time.perf_counter() - calibrating - (timed.ready_s if timed else 0.0)
+    if not drafts_ahead(record, specs[0].ladder, seconds_l, flush_s, pending, len(prompts),
+                        max_new_tokens):
+      return plain_ar_for_auto(target_params, config, prompts, max_new_tokens, record,
+                               float(seconds_l[0]), calibrate_s, timed, sampler=sampler,
+                               seed=seed, cache_size=cache_size, stop_tokens=stop_tokens,
+                               impl=impl, on_tokens=on_tokens, stream_every=stream_every,
+                               mesh=mesh)
+  programs = ready()
+  start = time.perf_counter()
+  state = programs.prefill(target_params, drafter_params, *args)
+  if auto:
+    state, budgets = run_auto(state, programs.advance_l, programs.flush, specs[0].ladder,
+                              seconds_l, flush_s, pending, rows.lengths_b, record, on_tokens,
+                              None if auto is True else auto, programs.finish)
   else:
-    state = run_loop(state, advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
+    state = run_loop(state, programs.advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)
   tokens = new_tokens(state, rows.lengths_b)
-  wall_s = time.perf_counter() - start - calibrate_s
+  wall_s = time.perf_counter() - start
   if auto is True:
     save_head_record(cost_tables_path(), record)
   rounds, committed, stop_b, num_forwards = to_host(
@@ -398,8 +393,75 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
       tokens=tokens,
       committed_per_round=[committed[b, :rounds[b]].tolist() for b in range(len(prompts))],
       stop_reasons=[StopReason.of_code(int(code)) for code in stop_b],
-      num_forwards=int(num_forwards), compile_s=compile_s, wall_s=wall_s, budgets=budgets,
-      calibrate_s=calibrate_s, warmup_s=warmup_s)
+      num_forwards=int(num_forwards), compile_s=programs.compile_s, wall_s=wall_s,
+      budgets=budgets, calibrate_s=calibrate_s, warmup_s=programs.warmup_s)
+
+
+@dataclasses.dataclass
+class LoopPrograms:
+  """One `decode_prompts` call's compiled programs, params bound: the prefill, a loop per
+  spec (taking (state, rounds)), and, for a drafter with taps under auto, the flush of the
+  held-back context and `finish` (AR rounds that keep no taps); with the seconds it took to
+  compile and to warm them up."""
+
+  prefill: Callable
+  advance_l: list[Callable]
+  flush: Callable | None
+  finish: Callable | None
+  compile_s: float
+  warmup_s: float
+
+  @property
+  def ready_s(self) -> float:
+    return self.compile_s + self.warmup_s
+
+  def scratch(self, target_params, drafter_params, args):
+    """What `auto.round_seconds` measures: the loops, the flush, and a state to copy."""
+    return self.advance_l, self.flush, self.prefill(target_params, drafter_params, *args)
+
+
+def ready_programs(target_params, drafter_params, rows: Rows, args, specs: Sequence[RoundSpec],
+                   cache_size: int, pending: int, warm: bool) -> LoopPrograms:
+  """Compiles (or takes from the cache) every program a call may run and, with `warm`, runs
+  each not run before once on scratch state (`warm_up`)."""
+  start = time.perf_counter()
+  compiled_l = [compile_decode(target_params, drafter_params, rows, s, cache_size) for s in specs]
+  prefill_fn = compiled_l[0][0]
+  decode_fns = [fn for _, fn in compiled_l]
+  flush_exe = flush_fn = finish_fn = None
+  if pending:  # a drafter with taps, under auto
+    flush_exe = compile_flush(drafter_params, prefill_fn, specs[0].drafter, specs[0].mesh)
+    flush_fn = functools.partial(flush_exe, drafter_params)
+    # AR rounds that keep no taps: a request's rest once nothing will draft in it again.
+    _, finish_exe = compile_decode(target_params, drafter_params, rows,
+                                   dataclasses.replace(specs[0], taps=False), cache_size)
+    finish_fn = functools.partial(finish_exe, target_params, drafter_params)
+    decode_fns.append(finish_exe)
+  compile_s = time.perf_counter() - start
+  warmup_s = (warm_up(prefill_fn, decode_fns, flush_exe, target_params, drafter_params, args)
+              if warm else 0.0)
+  return LoopPrograms(
+      prefill=prefill_fn, compile_s=compile_s, warmup_s=warmup_s, flush=flush_fn,
+      finish=finish_fn, advance_l=[functools.partial(decode_fn, target_params, drafter_params)
+                                   for _, decode_fn in compiled_l])
+
+
+def plain_ar_for_auto(target_params, config: Qwen3Config, prompts, max_new_tokens: int,
+                      record: HeadRecord, ar_round_s: float, calibrate_s: float,
+                      timed: LoopPrograms | None, **options) -> Generation:
+  """A request under auto that will not draft (`auto.drafts_ahead`), decoded by plain AR's
+  programs from the prefill on, as `generate` would; `record` counts its AR time and is
+  kept. `timed`: the ladder's programs where they were built to time their rounds (their
+  compilation and warm-up are this call's too)."""
+  result = decode_prompts(target_params, config, NoDrafter(), None, prompts, max_new_tokens,
+                          tree_shape=TreeShape("root"), warmup=True, **options)
+  rounds = max(map(len, result.committed_per_round))
+  record.add_unseen(rounds * ar_round_s)
+  save_head_record(cost_tables_path(), record)
+  return dataclasses.replace(
+      result, budgets=[1] * rounds, calibrate_s=calibrate_s,
+      compile_s=result.compile_s + (timed.compile_s if timed else 0.0),
+      warmup_s=result.warmup_s + (timed.warmup_s if timed else 0.0))
 
 
 def new_tokens(state: DecodeState, prompt_lengths_b) -> list[list[int]]:
