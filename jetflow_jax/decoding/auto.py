@@ -51,12 +51,17 @@ from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, budge
                                          first_look_index, kept_seconds, optimistic_tau,
                                          probe_index)
 from jetflow_jax.decoding.round import RoundSpec, TreeShape
-from jetflow_jax.decoding.state import DecodeState
+from jetflow_jax.decoding.state import RUNNING, DecodeState
 from jetflow_jax.distributed import agreed, to_host
 from jetflow_jax.errors import InputError
 
-TIMED_RUNS = 5  # timed 2-round runs per budget, after a warm-up; the fastest counts (a busy
-# machine only ever adds time)
+TIMED_RUNS = 5  # timed runs per budget, after a warm-up; the fastest counts (a busy machine only
+# ever adds time)
+AR_TIMED_ROUNDS = 8  # rounds of a timed AR run. Each budget is timed as the loop runs it: AR in
+# long runs, a tree one round a call with the host's read of its result. A call costs about
+# 2.5 ms more than its rounds on the embedded pair (about a 1.6 ms AR round): timed in 2-round
+# calls, AR read 30% slow and trees 10-25% fast, and requests with the table absent drafted at
+# budget 8 where it cost 5.6 AR rounds, not the 2.9 measured (0.79 of AR at 512 tokens).
 AR_RUN_S = 0.5  # AR rounds run back to back for about this long between two decisions
 SURE_RUNS = 4  # tree rounds run back to back where the choice is sure: the rows' gains
 # `UPPER_Z` standard errors down pick the same budget (each decision costs a host round trip,
@@ -135,7 +140,8 @@ def loop_cost_key(specs: Sequence[RoundSpec], rows: int, dtype: str, prompt_widt
                  "ladder": list(spec.ladder), "prompt_width": prompt_width, "capacity": capacity,
                  "attention": spec.impl, "sampled": spec.sampled, "filtered": spec.filtered,
                  "logprobs": spec.logprobs, "kernels": kernel_layout,
-                 "mesh": None if spec.mesh is None else str(spec.mesh.mesh.shape)}
+                 "mesh": None if spec.mesh is None else str(spec.mesh.mesh.shape),
+                 "timed": f"AR {AR_TIMED_ROUNDS} rounds a call, trees 1 and read"}
   return key
 
 
@@ -162,7 +168,8 @@ def round_seconds(specs: Sequence[RoundSpec], programs: Callable[[], tuple], row
         return elapsed / max(int(np.max(to_host(after.rounds_b) - before)), 1) if per_round \
             else elapsed
 
-      runs = [(lambda s, a=advance: a(s, 2), True) for advance in advance_l]
+      runs = [(lambda s: advance_l[0](s, AR_TIMED_ROUNDS), True)]
+      runs += [(lambda s, a=advance: read_round(a(s, 1)), True) for advance in advance_l[1:]]
       if flush is not None:
         runs.append((flush, False))
       for run, per_round in runs:
@@ -262,6 +269,12 @@ def drafts_ahead(record: HeadRecord, ladder: Sequence[int], seconds_l, flush_s: 
   return not chooser.finishing
 
 
+def read_round(state: DecodeState) -> DecodeState:
+  """`state`, once the host has what `run_auto` reads after a drafting round."""
+  to_host((state.stop_b, state.rounds_b, state.lengths_b, state.committed_br, state.predicted_bl))
+  return state
+
+
 def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable | None,
              ladder: tuple[int, ...], seconds_l: np.ndarray, flush_s: float, pending: int,
              prompt_lengths_b, record: HeadRecord, on_tokens=None,
@@ -281,8 +294,9 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   chooser = Chooser(record, ladder, seconds_l, flush_s, pending, rows, finish is not None)
   model = chooser.model
   budgets: list[int] = []
-  done_b, rounds_b, lengths_b, max_lengths_b = to_host(
-      (state.done_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
+  stop_b, rounds_b, lengths_b, max_lengths_b = to_host(
+      (state.stop_b, state.rounds_b, state.lengths_b, state.max_lengths_b))
+  done_b = stop_b != RUNNING  # read, not computed on the device: no program to run
   streamed = time.perf_counter()
   held, flushed = 0, False  # AR rounds since the drafter last took their taps; did it ever
 
@@ -302,7 +316,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       if budget == 1 and pending:
         runs = min(runs, pending - held)
       state = advance_l[index](state, max(runs, 1))
-    done_b, new_rounds_b, lengths_b = to_host((state.done_b, state.rounds_b, state.lengths_b))
+    stop_b, new_rounds_b, lengths_b = to_host((state.stop_b, state.rounds_b, state.lengths_b))
+    done_b = stop_b != RUNNING
     ran_b = new_rounds_b - rounds_b
     if budget > 1:  # any drafting round predicts every budget of the ladder
       committed_br, predicted_bl = to_host((state.committed_br, state.predicted_bl))

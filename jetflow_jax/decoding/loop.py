@@ -54,6 +54,11 @@ def decode_rounds(target_params, drafter_params, state: DecodeState, max_rounds,
 decode = jax.jit(decode_rounds, static_argnames=("spec",), donate_argnames=("state",))
 
 
+# What a streamed loop hands the host, copied on device (the next chunk takes the state).
+snapshot = jax.jit(lambda state: (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b),
+                                  jnp.all(state.done_b)))
+
+
 @dataclasses.dataclass
 class Generation:
   """Generated token ids per prompt (stop token included) and how they were made.
@@ -270,6 +275,7 @@ def warm_up(prefill_fn, decode_fns: Sequence, flush_fn, target_params, drafter_p
     if id(decode_fn) not in compiled.warmed:
       jax.block_until_ready(decode_fn(target_params, drafter_params,
                                       jax.tree.map(jnp.copy, state), 1))
+  jax.block_until_ready(snapshot(state))  # streaming's copy, compiled at its first call
   if flush_fn is not None:
     jax.block_until_ready(flush_fn(drafter_params, state))
   else:
@@ -485,9 +491,9 @@ def run_loop(state: DecodeState, advance: Callable, max_rounds: int, prompt_leng
   rounds = stream_every
   last = time.perf_counter()
   while True:
-    snapshot = (jnp.copy(state.tokens_bs), jnp.copy(state.lengths_b), jnp.all(state.done_b))
+    before = snapshot(state)
     state = advance(state, rounds)
-    tokens, lengths, all_done = to_host(snapshot)
+    tokens, lengths, all_done = to_host(before)
     on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
     if all_done:
       return state
