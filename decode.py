@@ -164,6 +164,7 @@ def main(argv=None) -> None:
         "accepted_lengths": result.committed_per_round[0],
         "budget": args.budget,
         "budgets": result.budgets,  # with auto: the budget of every round
+        "budget_reason": result.budget_reason,  # with auto: why the first round's
         "calibrate_s": round(result.calibrate_s, 4),
         "num_target_forwards": result.num_forwards,
         "compile_s": round(result.compile_s, 4),
@@ -187,8 +188,8 @@ def main(argv=None) -> None:
     elif distributed.is_main_process():  # its stderr too: one summary for the job
       chosen = collections.Counter(result.budgets)
       budgets = ("budget auto: " + ", ".join(f"{'AR' if n == 1 else n} x{k}"
-                                             for n, k in sorted(chosen.items())) + "; "
-                 if chosen else "")
+                                             for n, k in sorted(chosen.items()))
+                 + f" (first: {result.budget_reason}); " if chosen else "")
       line = (f"\n\n[{method}: {summary['num_new_tokens']} tokens, {budgets}"
               f"{result.num_forwards} target forwards, tau {summary['tau']}, "
               f"{summary['tokens_per_s']} tokens/s, compile {result.compile_s:.1f}s, "

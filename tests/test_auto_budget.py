@@ -97,6 +97,9 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   assert steep.tokens == reference and set(steep.budgets) == {1}
   # ... plain AR's programs from the prefill on: not the head's prefill, nor its loops.
   assert not ran and steep.num_forwards == len(steep.budgets) + 1
+  assert re.fullmatch(r"AR: budget \d+ is expected to commit [\d.]+ tokens a round where "
+                      r"[\d.]+ beat AR here; no probe can pay within 24 tokens",
+                      steep.budget_reason)
   (unseen,) = json.loads(path.read_text())["heads"]
   assert unseen["probes"] == 0 and unseen["unseen_s"] == len(steep.budgets)  # 1 s an AR round
   # A look that risks 3 s, more than 5% of one request's AR time, is taken once the drafter's
@@ -108,6 +111,7 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   monkeypatch.setattr(auto, "_seconds", {})
   looked = choose()
   assert looked.tokens == reference and looked.budgets[0] > 1
+  assert looked.budget_reason.startswith(f"a probe, to find out: budget {looked.budgets[0]} ")
   assert json.loads(path.read_text())["heads"][0]["probes"] == 1
   # ... after which nothing will draft: the rest runs through `finish`, AR rounds that keep no
   # taps (they once kept taps back to the end).
@@ -127,7 +131,7 @@ def test_greedy_equals_ar_whatever_the_budgets(target, trained_head, tmp_path, m
   path.write_text(json.dumps({"tables": [table], "heads": [record]}))
   monkeypatch.setattr(auto, "_seconds", {})
   flat = choose()
-  assert flat.budgets[0] > 1
+  assert flat.budgets[0] > 1 and flat.budget_reason.startswith(f"budget {flat.budgets[0]} ")
   # Trees at 1.6 AR rounds, and a record of 4 drafts that accepted 2 of 21 predicted gains: it
   # says AR, but also that a tree could win (a chance of 0.36 at 16: `HeadRecord.win_chance`),
   # so the request starts with a probe; a record of 400 drafts at that ratio says no tree can,

@@ -210,6 +210,7 @@ class Chooser:
     # does not pay, none will in this request: fewer tokens are left at every check.
     self.may_probe, self.starting = len(ladder) > 1, True
     self.finishing = False
+    self.reason = ""  # why the first decision (`why`)
 
   def best_at(self, z: float, live_b) -> int:
     """The best budget for the live rows at their gains `z` standard errors up."""
@@ -253,20 +254,37 @@ class Chooser:
     prior_l = record.prior_tau() * live_b.sum()
     self.finishing = (self.can_finish and not index and not self.may_probe
                       and not best_budget(prior_l, seconds_l, self.ladder).index)
+    if starting:
+      self.reason = self.why(index, probing, remaining, live_b)
     return index, runs, probing
+
+  def why(self, index: int, probing: bool, remaining: float, live_b) -> str:
+    """A line on a decision: what the tree it runs (or the one nearest to paying) is expected to
+    commit a round against what beats AR here, and whether a probe may come."""
+    tau_l = self.model.estimate()[live_b].mean(axis=0)
+    tree = index or 1 + int(np.argmax(tau_l[1:] / self.needed_l[1:]))
+    expects = (f"budget {self.ladder[tree]} is expected to commit {tau_l[tree]:.1f} tokens a "
+               f"round where {self.needed_l[tree]:.1f} beat AR here")
+    if probing:
+      return f"a probe, to find out: {expects}"
+    if index:
+      return expects
+    later = ("a probe may come" if self.may_probe
+             else f"no probe can pay within {remaining:.0f} tokens")
+    return f"AR: {expects}; {later}"
 
 
 def drafts_ahead(record: HeadRecord, ladder: Sequence[int], seconds_l, flush_s: float,
-                 pending: int, rows: int, max_new_tokens: int) -> bool:
-  """Whether a request of `rows` rows and `max_new_tokens` tokens may run a tree round: its
-  first decision is not AR to the end (no tree pays at the record's estimate, no probe or look
-  can pay within the request, and the record's prior picks AR). Where it is not, the request
-  runs plain AR's programs from its prefill on: a drafter's prefill (the target with taps, the
-  drafter's state) costs several times plain AR's, a tenth of a short request on the embedded
-  pair."""
+                 pending: int, rows: int, max_new_tokens: int) -> tuple[bool, str]:
+  """Whether a request of `rows` rows and `max_new_tokens` tokens may run a tree round, and why
+  (`Chooser.why`): it may unless its first decision is AR to the end (no tree pays at the
+  record's estimate, no probe or look can pay within the request, and the record's prior picks
+  AR). Where it may not, the request runs plain AR's programs from its prefill on: a drafter's
+  prefill (the target with taps, the drafter's state) costs several times plain AR's, a tenth
+  of a short request on the embedded pair."""
   chooser = Chooser(record, ladder, seconds_l, flush_s, pending, rows, can_finish=True)
   chooser.decide(float(max_new_tokens), np.ones(rows, bool))
-  return not chooser.finishing
+  return not chooser.finishing, chooser.reason
 
 
 def read_round(state: DecodeState) -> DecodeState:
@@ -288,7 +306,8 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
   what this run's drafts predicted, accepted and probed (or, for a drafter that has never
   drafted, the AR time it ran). `finish` (AR rounds that keep no taps, as plain AR's) runs the
   rest of the request once nothing can draft in it again: no probe pays, and AR beats every
-  tree at the prior the rows drift back to. Returns (state, the budget of every round).
+  tree at the prior the rows drift back to. Returns (state, the budget of every round, why the
+  first was chosen).
   """
   rows = len(prompt_lengths_b)
   chooser = Chooser(record, ladder, seconds_l, flush_s, pending, rows, finish is not None)
@@ -342,4 +361,4 @@ def run_auto(state: DecodeState, advance_l: Sequence[Callable], flush: Callable 
       on_tokens([tokens[b, p:lengths[b]].tolist() for b, p in enumerate(prompt_lengths_b)])
       streamed = time.perf_counter()
   record.add_unseen(budgets.count(1) * float(chooser.seconds_l[0]))
-  return state, budgets
+  return state, budgets, chooser.reason if schedule is None else "a schedule"

@@ -76,6 +76,7 @@ class Generation:
     budgets: with auto, each round's budget.
     calibrate_s: with auto, timing each budget's round, when the cost table did not have it.
     warmup_s: first executions of the programs, on scratch state (auto, `warmup`).
+    budget_reason: with auto, why its first round's budget (`auto.Chooser.why`).
   """
 
   tokens: list[list[int]]
@@ -87,6 +88,7 @@ class Generation:
   budgets: list[int] = dataclasses.field(default_factory=list)  # with auto: each round's budget
   calibrate_s: float = 0.0  # with auto: timing each budget's round, when not known already
   warmup_s: float = 0.0  # first executions of the programs, on scratch state (auto, `warmup`)
+  budget_reason: str = ""  # with auto: why its first round's budget
 
   @property
   def num_tokens(self) -> int:
@@ -358,7 +360,7 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   pending = pending_rounds(specs[0], width, cache_size)
   ready = functools.cache(lambda: ready_programs(target_params, drafter_params, rows, args, specs,
                                                  cache_size, pending, bool(auto or warmup)))
-  calibrate_s, budgets = 0.0, []
+  calibrate_s, budgets, reason = 0.0, [], ""
   seconds_l, flush_s = np.ones(len(specs)), 0.0  # a schedule's: no times
   record = HeadRecord({}, specs[0].ladder)
   if auto is True:
@@ -372,10 +374,11 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
                               drafter_prior(specs[-1].drafter, drafter_params, specs[-1].ladder))
     timed = ready() if ready.cache_info().currsize else None  # built to time their rounds
     calibrate_s = time.perf_counter() - calibrating - (timed.ready_s if timed else 0.0)
-    if not drafts_ahead(record, specs[0].ladder, seconds_l, flush_s, pending, len(prompts),
-                        max_new_tokens):
+    drafts, reason = drafts_ahead(record, specs[0].ladder, seconds_l, flush_s, pending,
+                                  len(prompts), max_new_tokens)
+    if not drafts:
       return plain_ar_for_auto(target_params, config, prompts, max_new_tokens, record,
-                               float(seconds_l[0]), calibrate_s, timed, sampler=sampler,
+                               float(seconds_l[0]), calibrate_s, timed, reason, sampler=sampler,
                                seed=seed, cache_size=cache_size, stop_tokens=stop_tokens,
                                impl=impl, on_tokens=on_tokens, stream_every=stream_every,
                                mesh=mesh)
@@ -383,9 +386,9 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
   start = time.perf_counter()
   state = programs.prefill(target_params, drafter_params, *args)
   if auto:
-    state, budgets = run_auto(state, programs.advance_l, programs.flush, specs[0].ladder,
-                              seconds_l, flush_s, pending, rows.lengths_b, record, on_tokens,
-                              None if auto is True else auto, programs.finish)
+    state, budgets, reason = run_auto(state, programs.advance_l, programs.flush, specs[0].ladder,
+                                      seconds_l, flush_s, pending, rows.lengths_b, record,
+                                      on_tokens, None if auto is True else auto, programs.finish)
   else:
     state = run_loop(state, programs.advance_l[0], max_new_tokens, rows.lengths_b, on_tokens,
                      stream_every)
@@ -400,7 +403,8 @@ def decode_prompts(target_params, config: Qwen3Config, drafter: Drafter, drafter
       committed_per_round=[committed[b, :rounds[b]].tolist() for b in range(len(prompts))],
       stop_reasons=[StopReason.of_code(int(code)) for code in stop_b],
       num_forwards=int(num_forwards), compile_s=programs.compile_s, wall_s=wall_s,
-      budgets=budgets, calibrate_s=calibrate_s, warmup_s=programs.warmup_s)
+      budgets=budgets, calibrate_s=calibrate_s, warmup_s=programs.warmup_s,
+      budget_reason=reason)
 
 
 @dataclasses.dataclass
@@ -454,7 +458,7 @@ def ready_programs(target_params, drafter_params, rows: Rows, args, specs: Seque
 
 def plain_ar_for_auto(target_params, config: Qwen3Config, prompts, max_new_tokens: int,
                       record: HeadRecord, ar_round_s: float, calibrate_s: float,
-                      timed: LoopPrograms | None, **options) -> Generation:
+                      timed: LoopPrograms | None, reason: str, **options) -> Generation:
   """A request under auto that will not draft (`auto.drafts_ahead`), decoded by plain AR's
   programs from the prefill on, as `generate` would; `record` counts its AR time and is
   kept. `timed`: the ladder's programs where they were built to time their rounds (their
@@ -465,7 +469,7 @@ def plain_ar_for_auto(target_params, config: Qwen3Config, prompts, max_new_token
   record.add_unseen(rounds * ar_round_s)
   save_head_record(cost_tables_path(), record)
   return dataclasses.replace(
-      result, budgets=[1] * rounds, calibrate_s=calibrate_s,
+      result, budgets=[1] * rounds, calibrate_s=calibrate_s, budget_reason=reason,
       compile_s=result.compile_s + (timed.compile_s if timed else 0.0),
       warmup_s=result.warmup_s + (timed.warmup_s if timed else 0.0))
 
