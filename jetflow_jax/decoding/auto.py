@@ -29,9 +29,11 @@ controlled drafter's distribution), taken as `budget.PRIOR_DRAFTS` past drafts
 risks least, once that is a small share of the AR time of the request and of the drafter's
 earlier unseen runs (`budget.first_look_index`). A row's calibration starts from the record too
 (`HeadRecord.acceptance_model`), as uncertain as the record's drafts leave it. Every budget's
-round is one compiled variant; its time and the flush's are measured once per shape (a few
-rounds on copies of the state) and kept, in this process and in the cost tables file
-(`budget.cost_tables_path()`), with the drafter's record, for the next.
+round is one compiled variant; its time and the flush's are measured once per shape (on copies
+of a scratch state, before the clock, each as the loop runs it) and kept, in this process and
+in the cost tables file (`budget.cost_tables_path()`), with the drafter's record, for the next.
+The first decision is taken before the prefill (`drafts_ahead`): a request that will not draft
+runs plain AR's programs throughout.
 """
 
 from __future__ import annotations
