@@ -235,6 +235,34 @@ def test_calibrate_cli_keeps_the_table_a_server_reads(tmp_path, monkeypatch, cap
   assert exit_.value.code == 2 and "leave --budget out" in capsys.readouterr().err
 
 
+def test_each_budget_is_timed_as_the_loop_runs_it(target, monkeypatch):
+  """AR in `AR_TIMED_ROUNDS`-round calls, a tree one round a call and read back (a call's fixed
+  cost, timed in 2-round calls, once made trees look half as dear as they were)."""
+  import collections
+  State = collections.namedtuple("State", "rounds_b stop_b lengths_b committed_br predicted_bl")
+  calls = []
+
+  def loop_of(budget):
+    def advance(state, rounds):
+      calls.append((budget, rounds))
+      return state._replace(rounds_b=state.rounds_b + rounds)
+    return advance
+
+  state = State(*(np.zeros(shape, np.int32) for shape in ((2,), (2,), (2,), (2, 4), (2, 3))))
+  monkeypatch.setenv("JETFLOW_COST_TABLES", "")  # kept nowhere: measured
+  monkeypatch.setattr(auto, "_seconds", {})
+  config, _ = target
+  specs = auto_specs(RoundSpec(config=config, drafter=HeadDrafter(head_config(config)),
+                               tree_shape=TreeShape("top_n", 8, 3)))
+  seconds_l, flush_s = auto.round_seconds(
+      specs, lambda: ([loop_of(n) for n in (1, 4, 8)], None, state), 2, "float32", 16, 64,
+      "plain", False)
+  assert len(seconds_l) == 3 and flush_s == 0.0
+  assert {rounds for budget, rounds in calls if budget == 1} == {auto.AR_TIMED_ROUNDS}
+  assert {rounds for budget, rounds in calls if budget > 1} == {1}
+  assert len(calls) == 3 * (auto.TIMED_RUNS + 1)  # a warm-up each
+
+
 def test_held_back_rounds_cover_what_a_row_can_run(target):
   """A prompt that fills its bucket's cache still keeps back a long AR run (it once kept one
   round and flushed after each: auto 2.4x slower than AR on such prompts)."""
