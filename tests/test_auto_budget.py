@@ -2,6 +2,7 @@
 still lossless with the budget changing between the rounds of one request: greedy equals AR
 token for token, sampling follows the target's exact distribution."""
 
+import collections
 import dataclasses
 import json
 import re
@@ -238,7 +239,6 @@ def test_calibrate_cli_keeps_the_table_a_server_reads(tmp_path, monkeypatch, cap
 def test_each_budget_is_timed_as_the_loop_runs_it(target, monkeypatch):
   """AR in `AR_TIMED_ROUNDS`-round calls, a tree one round a call and read back (a call's fixed
   cost, timed in 2-round calls, once made trees look half as dear as they were)."""
-  import collections
   State = collections.namedtuple("State", "rounds_b stop_b lengths_b committed_br predicted_bl")
   calls = []
 
