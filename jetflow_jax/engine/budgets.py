@@ -221,8 +221,8 @@ class BudgetChooser:
       self.model.update(output.predicted_brl[:, r], committed_b, budget, active_b)
       if budget > 1:
         self.record.add_drafts(output.predicted_brl[:, r], committed_b, budget, active_b)
-    if budget == 1 and self.record.unseen and valid_b.any():
-      self.record.unseen_s += float(self.seconds_l[0])  # priced in the drafter's first look
+    if budget == 1 and valid_b.any():
+      self.record.add_unseen(float(self.seconds_l[0]))  # priced in the drafter's first look
     if probing and valid_b.any():
       self.record.probes += 1
       self.record.wins += float(self._best(valid_b, 0.0) > 0)
