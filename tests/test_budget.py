@@ -354,6 +354,28 @@ def test_the_engine_looks_at_a_new_drafter_and_starts_slots_from_its_record():
   assert known.model.prior_ratio == record.ratio() and known.model.prior_gain_l is not None
 
 
+
+def test_the_engine_leaves_a_request_that_will_not_draft_to_plain_ar():
+  """As the device loop (`auto.drafts_ahead`): a request whose first decision alone is AR to the
+  end counts as AR; while only such requests are busy, steps keep no taps; the drafts of a
+  slot whose context was not kept teach the record nothing."""
+  ladder, seconds_l = (1, 4, 8), np.array([1.0, 3.0, 5.0])
+  chooser = BudgetChooser(ladder, 2, seconds_l, rounds_per_step=1)
+  chooser.reset(0, max_tokens=10)  # 10 steps pay no probe and no look (as above)
+  assert chooser.plain_b.tolist() == [True, False] and not chooser.drafting([True, False])
+  assert [chooser.choose([True, False], [10, 0]) for _ in range(40)] == [1] * 40
+  chooser.reset(1, max_tokens=1000)  # 1000 steps pay the look
+  assert chooser.drafting([True, True]) and (budget := chooser.choose([True, True], [9, 1000])) > 1
+  chooser.record_step(budget, StepOutput(*[np.zeros((2, 1))] * 4,
+                                         predicted_brl=np.tile([1.0, 3.0, 4.0], (2, 1, 1)),
+                                         committed_br=np.full((2, 1), 2)), [True, True])
+  assert chooser.record.drafts == 1  # slot 1's draft only
+  chooser.reset(0)  # without its tokens, a request may draft
+  scheduled = BudgetChooser(ladder, 1, seconds_l, rounds_per_step=1, schedule=(1, 4))
+  scheduled.reset(0, max_tokens=10)  # a schedule runs what it says
+  assert chooser.drafting([True, False]) and scheduled.drafting([True])
+
+
 def thin_and_long_records(ladder=(1, 4, 16)):
   """Two records of drafts at the same ratio, 2 accepted of 21 predicted gains (plus one
   pseudo-count each): 4 drafts, and 100 times as many."""

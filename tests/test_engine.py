@@ -183,6 +183,38 @@ def test_engine_samples_the_target_distribution(small_target):
     assert_matches(tokens[group * PER_SAMPLER:(group + 1) * PER_SAMPLER], given_first)
 
 
+
+def test_requests_that_will_not_draft_run_plain_ar_steps_and_stay_lossless(target, trained_head,
+                                                                            prompts, alone):
+  """An engine choosing budgets runs AR steps without taps while no busy request will draft
+  (trees cost 20 AR steps here); a tree step over slots whose drafter context was not kept is
+  still each request's tokens alone."""
+  config, params = target
+  head, head_params = trained_head
+  engine = make_engine(params, config, head_params, head, method="jetflow", budget="auto",
+                       max_budget=8, top_k=3, num_slots=SLOTS, max_context=CONTEXT,
+                       rounds_per_step=2)
+  with pytest.raises(InputError, match="only an AR step"):
+    engine.spec(8, taps=False)
+  steps, step = [], engine.step
+  engine.step = lambda state, budget, **flags: steps.append((budget, flags["taps"])) or step(
+      state, budget, **flags)
+  streams = Orchestrator(engine, seconds_l=[1.0, 20.0, 20.0]).generate(
+      [Request(p, m, stop_tokens=()) for p, m in zip(prompts[:6], MAX_TOKENS)])
+  assert [s.tokens for s in streams] == alone[:6] and set(steps) == {(1, False)}
+
+  state = engine.init_state()
+  for slot in range(SLOTS):
+    state = engine.insert(state, engine.prefill(Request(prompts[slot], MAX_TOKENS[slot],
+                                                        stop_tokens=())), slot)
+  state, _ = step(state, 1, sampled=False, filtered=False, taps=False)
+  while not np.asarray(state.rows.done_b).all():
+    state, _ = step(state, 8, sampled=False, filtered=False)
+  tokens_bs = np.asarray(state.rows.tokens_bs)
+  assert [tokens_bs[i, len(p):len(p) + m].tolist()
+          for i, (p, m) in enumerate(zip(prompts[:SLOTS], MAX_TOKENS))] == alone[:SLOTS]
+
+
 def test_cancelling_frees_the_slot_for_a_waiting_request(engine_for, prompts, alone):
   orchestrator = Orchestrator(engine_for("ar"))
   running = [orchestrator.submit(Request(prompts[i], 24, stop_tokens=())) for i in range(SLOTS)]

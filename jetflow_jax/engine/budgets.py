@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetflow_jax.decoding.auto import PROBE_SHARE, head_record_key, look_share
+from jetflow_jax.decoding.auto import PROBE_SHARE, drafts_ahead, head_record_key, look_share
 from jetflow_jax.decoding.budget import (UPPER_Z, HeadRecord, best_budget, cost_key,
                                          cost_tables_path, explore_index, first_look_index,
                                          kept_seconds, load_head_record, optimistic_tau,
@@ -80,13 +80,16 @@ def _run_step(engine: Engine, state, budget: int, **flags) -> float:
 
 
 def warm_up_steps(engine: Engine) -> float:
-  """Runs both variants of every budget's step once (greedy, and any request), and the
-  prefill, insert and evict they need, on a scratch state; returns the seconds it took."""
+  """Runs both variants of every budget's step once (greedy, and any request), AR's also
+  without taps, and the prefill, insert and evict they need, on a scratch state; returns the
+  seconds it took."""
   start = time.perf_counter()
   state = _busy_state(engine)
   for budget in engine.ladder:
     _run_step(engine, state, budget, logprobs=True)
     _run_step(engine, state, budget, sampled=False, filtered=False)
+  for flags in ({"logprobs": True}, {"sampled": False, "filtered": False}):
+    _run_step(engine, state, 1, taps=False, **flags)  # requests that will not draft
   jax.block_until_ready(engine.evict(state, 0))
   return time.perf_counter() - start
 
@@ -146,15 +149,28 @@ class BudgetChooser:
     self.probing: collections.deque[bool] = collections.deque()
     self.may_look = True  # while the drafter has not drafted here (`HeadRecord.unseen`)
     self.starting = False  # a request just arrived: a known drafter may be probed at once
+    self.plain_b = np.zeros(num_slots, bool)  # slots whose requests will not draft
 
-  def reset(self, slot: int) -> None:
+  def reset(self, slot: int, max_tokens: int | None = None) -> None:
     """A new request took `slot`: its estimate starts from the prior, what the drafter's
-    record holds now (past runs and this one's requests so far)."""
+    record holds now (past runs and this one's requests so far).
+
+    With `max_tokens` (what the request may produce), a request whose first decision alone is AR
+    to the end (`auto.drafts_ahead`, the device loop's rule, priced per step) will not draft:
+    it counts as AR in every choice, and while only such requests are busy, steps run without
+    taps (`drafting`), as plain AR's do.
+    """
     for name, value in self.record.model_prior().items():
       setattr(self.model, name, value)
     self.model.reset([slot])
     self.hope_l = self._hope()
-    self.starting = self.record.drafts > 0
+    self.plain_b[slot] = (max_tokens is not None and self.schedule is None and not drafts_ahead(
+        self.record, self.ladder, self.seconds_l, 0.0, 0, 1, max_tokens / self.rounds_per_step)[0])
+    self.starting = self.starting or (self.record.drafts > 0 and not self.plain_b[slot])
+
+  def drafting(self, busy_b) -> bool:
+    """Whether a busy slot may draft: else steps need not keep the drafter's context."""
+    return bool(np.any(np.asarray(busy_b, bool) & ~self.plain_b))
 
   def _hope(self) -> np.ndarray:
     """What a probe hopes a tree commits: what the record says it could, or a modest head's
@@ -162,7 +178,9 @@ class BudgetChooser:
     return np.maximum(optimistic_tau(self.ladder), self.record.upper_tau())
 
   def _tokens(self, busy_b, z: float = UPPER_Z) -> np.ndarray:
-    return self.model.estimate(z)[busy_b].sum(axis=0)
+    """The busy slots' expected committed tokens a round at each budget (AR's where they will
+    not draft: their drafter's context is not kept)."""
+    return np.where(self.plain_b[:, None], 1.0, self.model.estimate(z))[busy_b].sum(axis=0)
 
   def _best(self, busy_b, z: float = UPPER_Z) -> int:
     """The ladder index of the best budget for the `busy_b` slots at `z` standard errors up."""
@@ -176,13 +194,16 @@ class BudgetChooser:
     tokens each slot's request may still produce (default: no probe pays)."""
     busy_b = np.asarray(busy_b, bool)
     probing = False
+    drafting_b = busy_b & ~self.plain_b
     if self.schedule is not None:
       budget = self.schedule[sum(self.chosen.values()) % len(self.schedule)]
+    elif not drafting_b.any():
+      budget = 1
     else:
       index = self._best(busy_b)
       # Per step: a step runs `rounds_per_step` rounds, so a slot has this many steps left.
       steps_left = (None if remaining_b is None
-                    else float(np.max(np.asarray(remaining_b)[busy_b])) / self.rounds_per_step)
+                    else float(np.max(np.asarray(remaining_b)[drafting_b])) / self.rounds_per_step)
       if index and steps_left is not None and not self._best(busy_b, 0.0):
         # Only the slots' optimism picks a tree: as in the device loop, it explores.
         point_l, upper_l = (self._tokens(busy_b, z) / busy_b.sum() for z in (0.0, UPPER_Z))
@@ -190,10 +211,10 @@ class BudgetChooser:
                               index)
       looking = self.may_look and self.record.unseen  # (a step may have drafted since)
       if (not index and steps_left is not None and len(self.ladder) > 1
-          and (looking or self.starting or self.model.probe_due(busy_b))):
+          and (looking or self.starting or self.model.probe_due(drafting_b))):
         # As the device loop: on a request's arrival, a known drafter is probed at once
         # only where its record says a tree could win.
-        hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(busy_b)
+        hope_l = (self.record.upper_tau() if self.starting and not self.model.probe_due(drafting_b)
                   else self.hope_l)
         index = probe_index(steps_left, self.seconds_l, self.seconds_l, hope_l,
                             self._win_chance())
@@ -204,8 +225,8 @@ class BudgetChooser:
         self.may_look = self.may_look and not probing
         if not index and not self.starting:  # try again after another spell of AR rounds
           self.model.ar_rounds_b[busy_b] = 0
-      self.starting = False
       budget = self.ladder[index]
+    self.starting = False
     self.chosen[budget] += 1
     self.probing.append(probing)
     return budget
@@ -214,18 +235,19 @@ class BudgetChooser:
     """What a step at `budget` committed (`output` on the host), for the `valid_b` slots (those
     still holding the request they held when the step was dispatched)."""
     valid_b = np.asarray(valid_b, bool)
+    drafting_b = valid_b & ~self.plain_b  # the others' drafts come from a stale context
     probing = self.probing.popleft() if self.probing else False
     for r in range(output.committed_br.shape[1]):
       committed_b = output.committed_br[:, r]
-      active_b = valid_b & (committed_b >= 0)
+      active_b = drafting_b & (committed_b >= 0)
       self.model.update(output.predicted_brl[:, r], committed_b, budget, active_b)
       if budget > 1:
         self.record.add_drafts(output.predicted_brl[:, r], committed_b, budget, active_b)
     if budget == 1 and valid_b.any():
       self.record.add_unseen(float(self.seconds_l[0]))  # priced in the drafter's first look
-    if probing and valid_b.any():
+    if probing and drafting_b.any():
       self.record.probes += 1
-      self.record.wins += float(self._best(valid_b, 0.0) > 0)
+      self.record.wins += float(self._best(drafting_b, 0.0) > 0)
     if self._save is not None and time.perf_counter() - self._saved >= self.SAVE_EVERY_S:
       self.close()
 

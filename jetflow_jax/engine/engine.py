@@ -265,22 +265,25 @@ class Engine:
     self.ladder = tuple(ladder)
 
   def spec(self, budget: int | None = None, *, sampled: bool = True, filtered: bool = True,
-           logprobs: bool = False) -> RoundSpec:
-    """The round a step runs at `budget` (a ladder value; None: `tree_shape`'s).
+           logprobs: bool = False, taps: bool = True) -> RoundSpec:
+    """The round a step runs at `budget` (a ladder value; None: `tree_shape`'s); `taps=False`
+    (AR only): the drafter's context is left as it is (`RoundSpec.taps`).
 
     Raises:
-      InputError: a budget not on the ladder.
+      InputError: a budget not on the ladder, or `taps=False` with a tree.
     """
     shape = self.tree_shape
     if budget is not None and budget != shape.budget:
       if budget not in self.ladder:
         raise InputError(f"budget {budget} is not on this engine's ladder {self.ladder}")
       shape = TreeShape("root") if budget == 1 else dataclasses.replace(shape, budget=budget)
+    if not taps and shape.kind != "root":
+      raise InputError(f"only an AR step may leave the drafter's context behind (budget {budget})")
     if self.ladder:  # two variants a budget: greedy without log-probabilities, and any request
       sampled = filtered = logprobs = sampled or filtered or logprobs
     return RoundSpec(config=self.config, drafter=self.drafter, tree_shape=shape, impl=self.impl,
                      sampled=sampled, filtered=filtered, logprobs=logprobs, ladder=self.ladder,
-                     mesh=self.mesh)
+                     mesh=self.mesh, taps=taps)
 
   def init_state(self) -> EngineState:
     """Every slot free."""
@@ -345,17 +348,19 @@ class Engine:
     return insert(state, prefix, np.int32(slot), config=self.config, mesh=self.mesh)
 
   def step(self, state: EngineState, budget: int | None = None, *, sampled: bool = True,
-           filtered: bool = True, logprobs: bool = False) -> tuple[EngineState, StepOutput]:
+           filtered: bool = True, logprobs: bool = False,
+           taps: bool = True) -> tuple[EngineState, StepOutput]:
     """`rounds_per_step` rounds at `budget` over every slot (the state is donated).
 
     `sampled=False` or `filtered=False` promise that no running request samples or filters
     (`sampling.sampling_flags`), `logprobs=False` that none wants log-probabilities: cheaper
-    variants, compiled apart.
+    variants, compiled apart. `taps=False` (AR, with a ladder: a step over requests that will not
+    draft again) neither computes nor keeps taps for the drafter: plain AR's round.
 
     Returns:
       `(state, output)`: the next state and the `StepOutput` (only the new tokens).
     """
-    spec = self.spec(budget, sampled=sampled, filtered=filtered, logprobs=logprobs)
+    spec = self.spec(budget, sampled=sampled, filtered=filtered, logprobs=logprobs, taps=taps)
     return step(self.target_params, self.drafter_params, state, spec=spec,
                 rounds=self.rounds_per_step)
 

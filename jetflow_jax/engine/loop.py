@@ -145,19 +145,20 @@ class Orchestrator:
         self.state = self.engine.insert(self.state, prefix, slot)
         self.slots[slot] = stream
         if self.chooser is not None:
-          self.chooser.reset(slot)
+          self.chooser.reset(slot, stream.request.max_tokens)
     pending, self._pending = self._pending, None
     if any(self.slots):
       running = [s.request for s in self.slots if s is not None]
-      budget = None
+      budget, taps = None, True
       if self.chooser is not None:
+        busy_b = [s is not None for s in self.slots]
         remaining_b = [0 if s is None else s.request.max_tokens - len(s.tokens)
                        for s in self.slots]
-        budget = self.last_budget = self.chooser.choose([s is not None for s in self.slots],
-                                                        remaining_b)
+        budget = self.last_budget = self.chooser.choose(busy_b, remaining_b)
+        taps = budget > 1 or self.chooser.drafting(busy_b)
       self.state, output = self.engine.step(
           self.state, budget, **sampling_flags([r.sampler for r in running]),
-          logprobs=any(r.logprobs is not None for r in running))
+          logprobs=any(r.logprobs is not None for r in running), taps=taps)
       self._pending = (output, list(self.slots), budget)
       self.num_steps += 1
     if pending is not None:
