@@ -15,7 +15,9 @@ ladder budget with the most expected committed tokens per second, from
   over those tokens is worth its expected loss (`decoding.budget.explore_index`). A drafter never
   seen gets one look as in the device loop: the step that risks least, once that is a small share
   of the AR time spent with it, this server's and earlier runs'
-  (`decoding.budget.first_look_index`).
+  (`decoding.budget.first_look_index`). A request whose first decision alone is AR to the end
+  (`decoding.auto.drafts_ahead`) will not draft: it counts as AR, and while only such requests
+  are busy, steps run plain AR's round, which keeps no taps for the drafter.
 
 Every budget's step variants run once at start-up before any request, also when their times
 come from the cost table (`warm_up_steps`): a program's first execution costs far more than the
