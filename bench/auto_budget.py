@@ -24,10 +24,10 @@ Cells of a part: AR, each of `--budgets`, auto with its cost table and drafter r
 with them present (kept from a first, untimed run). Every pass runs every cell once, in an order
 rotated from pass to pass and reversed every other pass; a cell's figure is its median tokens/s
 over `--repeats` passes (wall time of decoding, prefill included; compilation, warm-up and
-calibration excluded, as `Generation.wall_s` counts); auto over the best cell is given of the medians and, paired, as
-the median over passes of the two cells' ratio in the same pass (the same draws). Every run's
-tokens are checked against AR's. Writes bench/results/auto_budget.json; the engine at 1, 4 and 8
-clients is `bench/serve_budgets.py`.
+calibration excluded, as `Generation.wall_s` counts); auto over the best cell is given of the
+medians and, paired, as the median over passes of the two cells' ratio in the same pass (the
+same draws). Every run's tokens are checked against AR's. Writes bench/results/auto_budget.json;
+the engine at 1, 4 and 8 clients is `bench/serve_budgets.py`.
 """
 
 from __future__ import annotations
