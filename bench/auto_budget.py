@@ -83,9 +83,9 @@ class Tables:
 
 def rotated(cells, repeat):
   """The pass's order: rotated by one a pass and reversed every other pass, so that a cell
-  follows a different one from pass to pass (what ran just before a run can move it: one
-  order kept auto with its table right after auto without at Qwen3-0.6B shapes, 2,048
-  tokens, and read it 0.84 of JetFlow 16 over two passes; varied, 0.99 over four)."""
+  follows a different one from pass to pass (one order kept auto with its table right after
+  auto without at Qwen3-0.6B shapes, 2,048 tokens, tau 8, and read it 0.84 of JetFlow 16 over
+  two passes; with the order varied, 0.95 over three)."""
   shift = repeat % len(cells)
   order = cells[shift:] + cells[:shift]
   return order[::-1] if repeat % 2 else order
