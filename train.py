@@ -107,6 +107,8 @@ def main(argv):
       return
     print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}, "
           f"depth-1 agreement {result.get('agreement_k', [float('nan')])[0]:.3f}")
+    if "acceptance" in result:
+      print(f"held out ({config.eval.prompts}): {result['acceptance'].summary()}")
     print(setup.how_to_decode(config, _WORKDIR.value))
 
   cli.run(run)

@@ -20,6 +20,7 @@ from jetflow_jax.config_files import head_config, load_config_file, target_confi
 from jetflow_jax.errors import ConfigError
 from jetflow_jax.decoding import generate
 from jetflow_jax.head import init_head_params, lm_head_columns
+from jetflow_jax.head_acceptance import load_acceptance, measure_acceptance
 from jetflow_jax.head_checkpoint import load_head, save_hf_head
 from jetflow_jax.train import setup
 from jetflow_jax.train.draft_vocab import most_frequent, response_token_counts
@@ -47,12 +48,16 @@ def prompt_ids_file(tmp_path):
   return str(path)
 
 
-def test_tiny_config_runs_end_to_end(tmp_path):
+def test_tiny_config_runs_end_to_end(tmp_path, prompt_ids_file):
   """With a draft vocabulary of 2,048 tokens: the K most frequent response tokens of the store,
-  the target's LM-head rows for them, kept through training; the head decodes losslessly."""
+  the target's LM-head rows for them, kept through training; the head decodes losslessly. With
+  eval.prompts, the run ends by measuring the head's acceptance on them, as
+  `measure_acceptance` reads it on the target's continuations."""
   workdir = tmp_path / "tiny"
   done = run_cli(*train_args(workdir, "--config.train.num_steps=6",
-                             "--config.head.draft_vocab_size=2048"))
+                             "--config.head.draft_vocab_size=2048",
+                             f"--config.eval.prompts={prompt_ids_file}", "--config.eval.count=3",
+                             "--config.eval.max_new_tokens=16"))
   assert done.returncode == 0, done.stderr[-3000:]
   assert "done: step 6" in done.stdout and "draft vocabulary: the 2048 of 151936" in done.stdout
   lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
@@ -75,6 +80,17 @@ def test_tiny_config_runs_end_to_end(tmp_path):
                                             prompts, 16, budget=8, top_k=3, stop_tokens=())
   assert result.tokens == generate(target_params, target_config, prompts, 16,
                                    stop_tokens=()).tokens
+
+  held_out = [json.loads(line)["prompt_ids"] for line in open(prompt_ids_file)][:3]
+  expected = measure_acceptance(params, config, target_params, target_config,
+                                list(zip(held_out, generate(target_params, target_config,
+                                                            held_out, 16).tokens)))
+  for head_dir in (workdir, workdir / "hf_head"):
+    kept = load_acceptance(str(head_dir))
+    assert kept.anchors == expected.anchors == 3 * 32
+    np.testing.assert_allclose(kept.tau_n, expected.tau_n, atol=1e-4)
+    np.testing.assert_allclose(kept.predicted_n, expected.predicted_n, atol=1e-4)
+  assert f"held out ({prompt_ids_file}): {expected.summary()}" in done.stdout
 
 
 def test_killed_run_resumes_to_identical_parameters(tmp_path, prompt_ids_file):
@@ -273,6 +289,24 @@ def test_data_settings_are_checked_before_anything_is_written(tmp_path, data, pr
   assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize("evaluation,problem", [
+    (dict(prompts="{tmp}/missing.jsonl"), "eval.prompts not found: {tmp}/missing.jsonl"),
+    (dict(prompts="{tmp}/prompts.jsonl"), "eval.prompts is data.prompts"),
+    (dict(prompts="{tmp}/held_out.jsonl", count=0), "eval.count and eval.max_new_tokens must be "
+     "positive")])
+def test_eval_prompts_are_checked_before_anything_is_written(tmp_path, evaluation, problem):
+  for name in ("prompts.jsonl", "held_out.jsonl"):
+    (tmp_path / name).write_text('{"prompt_ids": [1, 2]}\n')
+  before = sorted(os.listdir(tmp_path))
+  config = data_config(prompts=str(tmp_path / "prompts.jsonl"))
+  config.eval.update({k: v.format(tmp=tmp_path) if isinstance(v, str) else v
+                      for k, v in evaluation.items()})
+  with pytest.raises(ConfigError) as refused:
+    setup.training_store(config, str(tmp_path / "w"))
+  assert problem.format(tmp=tmp_path) in str(refused.value)
+  assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_a_new_store_may_go_into_an_empty_directory_or_resume_one(tmp_path):
   (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
   (tmp_path / "empty").mkdir()
@@ -300,3 +334,7 @@ def test_training_ends_with_the_decode_command_for_its_head(tmp_path):
   assert "python decode.py --checkpoint '/models/Qwen3 8B' --head" in setup.how_to_decode(
       quick, "runs/quick")
   assert "decode.py cannot load it" in setup.how_to_decode(data_config(), "runs/tiny")
+  quick.eval.prompts = "held_out.jsonl"
+  assert setup.how_to_decode(quick, "runs/quick").endswith(
+      "its prior for --budget auto, on prompts it did not train on: measured on held_out.jsonl, "
+      "in runs/quick/acceptance.json")

@@ -84,6 +84,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 500
   c.train.keep_checkpoints = 3
 
+  # After training, the head's acceptance on the target's continuations of held-out prompts
+  # (the data.prompts format), kept as acceptance.json beside it: --budget auto's prior on a
+  # target the head never drafted for. "": measured later, if at all (train.measure_acceptance).
+  c.eval = ml_collections.ConfigDict()
+  c.eval.prompts = ""
+  c.eval.count = 64  # prompts used, from the first
+  c.eval.max_new_tokens = 256  # tokens of each greedy continuation
+
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: all devices not used by fsdp
   c.mesh.fsdp = 1

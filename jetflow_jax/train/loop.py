@@ -27,7 +27,7 @@ from jetflow_jax.head_checkpoint import HEAD_CONFIG_FILE, save_hf_head, workdir_
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.kernels.train_attention import TrainAttentionImpl
 from jetflow_jax.moe import ExpertsImpl
-from jetflow_jax.train import checkpointing, setup
+from jetflow_jax.train import checkpointing, measure_acceptance, setup
 from jetflow_jax.train.data import StoreBatches, batch_iterator
 from jetflow_jax.train.losses import LOSSES
 from jetflow_jax.train.metrics import MetricsWriter
@@ -129,7 +129,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       `hf_head/`, the head in the reference layout.
 
   Returns:
-    The last logged metrics (loss, learning rate, grad norm, per-depth agreement, ...).
+    The last logged metrics (loss, learning rate, grad norm, per-depth agreement, ...) and,
+    with `eval.prompts`, the head's `HeadAcceptance` on them as "acceptance" (also written as
+    `acceptance.json` into the workdir and `hf_head/`).
 
   Raises:
     ConfigError: a config that does not fit the target, or a workdir made for another head.
@@ -148,6 +150,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   check_batch(mesh, t.batch_size)
   head_params = setup.initial_head_params(config, head)
   _check_head_config(workdir, head, write=False)  # a workdir of another head: refused up front
+  held_out = setup.eval_prompts(config)
   preemption = distributed.Preemption()  # from here on, so a SIGTERM during set-up counts too
   store = setup.training_store(config, workdir)
   if store.max_token >= target.vocab_size:
@@ -260,4 +263,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   head_params = distributed.to_host(state.head_params)
   if main:
     save_hf_head(head_params, head, os.path.join(workdir, "hf_head"))
-  return {"step": step, **last}
+  if held_out is None:
+    return {"step": step, **last}
+  setup.say(f"measuring the head's acceptance on {len(held_out)} prompts of eval.prompts")
+  acceptance = measure_acceptance.held_out_acceptance(head_params, head, target_params, target,
+                                                      held_out, config.eval.max_new_tokens)
+  measure_acceptance.save_beside_head(acceptance, workdir)
+  return {"step": step, **last, "acceptance": acceptance}

@@ -16,9 +16,11 @@ from jetflow_jax.config import Qwen3Config
 from jetflow_jax.config_files import head_config, target_config
 from jetflow_jax.errors import ConfigError, InputError
 from jetflow_jax.head import init_head_params, with_draft_vocab
+from jetflow_jax.head_acceptance import ACCEPTANCE_FILE
 from jetflow_jax.head_checkpoint import abstract_head_params, load_head
 from jetflow_jax.head_config import HeadConfig
 from jetflow_jax.model import abstract_params, init_params
+from jetflow_jax.train import measure_acceptance
 from jetflow_jax.train.data import read_jsonl
 from jetflow_jax.train.draft_vocab import most_frequent, response_token_counts
 from jetflow_jax.train.regenerate import (BACKENDS, make_generator, regenerate,
@@ -45,11 +47,13 @@ def how_to_decode(config: ml_collections.ConfigDict, workdir: str) -> str:
             "cannot load it; configs/embedded.py:quick trains a head you can decode with)")
   target = ("" if os.path.abspath(os.path.expanduser(checkpoint)) == embedded.TARGET_DIR
             else f" --checkpoint {shlex.quote(checkpoint)}")
+  prior = (f"measured on {config.eval.prompts}, in {os.path.join(workdir, ACCEPTANCE_FILE)}"
+           if config.eval.prompts else
+           f"python -m jetflow_jax.train.measure_acceptance{target} --head "
+           f"{shlex.quote(workdir)} --prompts HELD_OUT.jsonl")
   return (f"head: {head}\ndecode with it: python decode.py{target} --head "
           f"{shlex.quote(workdir)} --prompt {shlex.quote(DECODE_PROMPT)}\n"
-          f"its prior for --budget auto, on prompts it did not train on: python -m "
-          f"jetflow_jax.train.measure_acceptance{target} --head {shlex.quote(workdir)} --prompts "
-          "HELD_OUT.jsonl")
+          f"its prior for --budget auto, on prompts it did not train on: {prior}")
 
 
 def load_target(config: ml_collections.ConfigDict, shardings=None) -> tuple[Qwen3Config, dict]:
@@ -128,7 +132,8 @@ def check_data(config: ml_collections.ConfigDict, workdir: str) -> None:
 
   `data.prompts` regenerates into `data.store` (default WORKDIR/store): absent, empty or a
   store already (a regeneration resumes). `data.regenerated` names an existing store, or a
-  regenerated JSONL converted into WORKDIR/store.
+  regenerated JSONL converted into WORKDIR/store. `eval.prompts`, where set, is a file other
+  than `data.prompts`.
   """
   d = config.data
   workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -170,6 +175,36 @@ def check_data(config: ml_collections.ConfigDict, workdir: str) -> None:
   elif not is_store(workdir_store):
     raise ConfigError("set data.prompts (a JSONL of prompts to regenerate) or data.regenerated "
                       "(a token store, or a regenerated JSONL to convert into one)")
+  _check_eval(config)
+
+
+def _check_eval(config: ml_collections.ConfigDict) -> None:
+  e = config.eval
+  if not e.prompts:
+    return
+  prompts = os.path.abspath(os.path.expanduser(e.prompts))
+  if not os.path.isfile(prompts):
+    raise ConfigError(f"eval.prompts not found: {prompts} (a JSONL of held-out prompts)")
+  if config.data.prompts and prompts == os.path.abspath(os.path.expanduser(config.data.prompts)):
+    raise ConfigError("eval.prompts is data.prompts: the head's acceptance on the prompts it "
+                      "trained on would overstate it; give prompts it does not train on")
+  if e.count < 1 or e.max_new_tokens < 1:
+    raise ConfigError(f"eval.count and eval.max_new_tokens must be positive (got {e.count}, "
+                      f"{e.max_new_tokens})")
+  if jax.process_count() > 1:
+    raise ConfigError("eval.prompts is measured in one process; for a multi-process run leave it "
+                      "empty and run python -m jetflow_jax.train.measure_acceptance after")
+
+
+def eval_prompts(config: ml_collections.ConfigDict) -> list[list[int]] | None:
+  """The token ids of `eval.prompts` (None where it is not set), checked and read before
+  anything loads."""
+  _check_eval(config)
+  if not config.eval.prompts:
+    return None
+  return measure_acceptance.held_out_prompts(os.path.expanduser(config.eval.prompts),
+                                             config.eval.count,
+                                             config.data.tokenizer or config.target.checkpoint)
 
 
 def _check_writable_store(path: str, what: str) -> None:
